@@ -1,0 +1,189 @@
+"""Where this process sits in the job (rank environment), the process group, and reductions.
+
+Ranks are started either by us (torch's elastic launcher, src/launch.py), by torchrun, by srun or by
+submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launcher: str = "none"  # none | torchelastic | env | slurm | submitit
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def external(self) -> bool:
+        """Ranks were started by something else than train.py itself."""
+        return self.launcher != "none"
+
+
+def _slurm_master_addr(nodelist: str) -> str:
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return out.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return nodelist.split(",")[0].split("[")[0]
+
+
+def _port_for_job(job_id: str) -> int:
+    """A port that depends only on the job id, so requeued jobs and every rank agree."""
+    return random.Random(job_id).randint(20000, 59999)
+
+
+def _export_slurm_env() -> None:
+    """Inside an srun step of several tasks (submitit or a user's sbatch), export torch's variables."""
+    env = os.environ
+    env.setdefault("RANK", env["SLURM_PROCID"])
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+    env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    env.setdefault("MASTER_ADDR", _slurm_master_addr(env.get("SLURM_JOB_NODELIST", "localhost")))
+    env.setdefault("MASTER_PORT", str(_port_for_job(env.get("SLURM_ARRAY_JOB_ID", env.get("SLURM_JOB_ID", "0")))))
+
+
+def _export_submitit_local_env() -> None:
+    import submitit
+
+    job = submitit.JobEnvironment()
+    env = os.environ
+    env.setdefault("RANK", str(job.global_rank))
+    env.setdefault("LOCAL_RANK", str(job.local_rank))
+    env.setdefault("WORLD_SIZE", str(job.num_tasks))
+    env.setdefault("LOCAL_WORLD_SIZE", str(job.num_tasks // max(job.num_nodes, 1)))
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(_port_for_job(str(job.job_id))))
+
+
+def rank_env() -> RankEnv:
+    """Detect (and complete) the rank environment of this process."""
+    env = os.environ
+    launcher = "none"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env"
+    elif env.get("SUBMITIT_EXECUTOR") == "local" and int(env.get("SUBMITIT_LOCAL_NTASKS", "1")) > 1:
+        _export_submitit_local_env()
+        launcher = "submitit"
+    elif "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        _export_slurm_env()
+        launcher = "submitit" if "SUBMITIT_EXECUTOR" in env else "slurm"
+    if launcher == "none":
+        return RankEnv()
+    return RankEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                   int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), launcher)
+
+
+# --- Hydra resolvers: one run directory per run, decided once for all ranks -----------------------
+
+def _now_stamp() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S.%f")
+
+
+def run_stamp() -> str:
+    """`<date>/<time with microseconds>`, the same on every rank of one job.
+
+    Under torchrun every rank runs Hydra; the first rank to ask stores its stamp in the launcher's
+    TCP store and all others read it back, also after an elastic restart (so resume finds the run).
+    Under SLURM the job id names the run, stable across requeues.
+    """
+    env = os.environ
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in env:
+        return f"slurm/{env.get('SLURM_ARRAY_JOB_ID', env['SLURM_JOB_ID'])}"
+    if "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and int(env.get("WORLD_SIZE", "1")) > 1:
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
+        return store.compare_set("ddplab/run_stamp", "", _now_stamp()).decode()
+    return _now_stamp()
+
+
+def _env_rank() -> int:
+    """This process's global rank as its launcher announces it, before any process group exists."""
+    env = os.environ
+    for key in ("RANK", "SUBMITIT_LOCAL_GLOBALID"):
+        if key in env:
+            return int(env[key])
+    return int(env.get("SLURM_PROCID", 0)) if "SLURM_STEP_ID" in env else 0
+
+
+def rank_zero_only(value: str) -> str | None:
+    return value if _env_rank() == 0 else None
+
+
+def rank_log_suffix() -> str:
+    rank = _env_rank()
+    return "" if rank == 0 else f"_rank{rank}"
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    for name, fn in (("run_stamp", run_stamp), ("rank_zero_only", rank_zero_only),
+                     ("rank_log_suffix", rank_log_suffix)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=True)
+
+
+# --- process group -------------------------------------------------------------------------------
+
+def init_process_group(env: RankEnv, device_type: str) -> torch.device:
+    """Join the job's process group (if distributed) and return this rank's device."""
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if env.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
+                                device_id=device if device_type == "cuda" else None)
+    return device
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(values: torch.Tensor, op=None) -> torch.Tensor:
+    """Sum (or `op`) a tensor over ranks; identity when not distributed."""
+    if is_distributed():
+        dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
+    return values
+
+
+def reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return all_reduce(t, dist.ReduceOp.MAX).item()
+
+
+def agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank when any rank says True."""
+    return reduce_max(float(flag), device) > 0
+
+
+def broadcast_object(obj, src: int = 0):
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

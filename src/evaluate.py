@@ -1,0 +1,33 @@
+"""Exact evaluation: sums and counts over every sample, each counted once, all-reduced over ranks."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from src.distributed import all_reduce
+
+
+def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> list[torch.Tensor]:
+    """Number of samples whose target is among the top-k logits, for each k (k capped at #classes)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top.eq(target[:, None])
+    return [hits[:, :min(k, kmax)].any(dim=1).sum() for k in ks]
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, autocast) -> dict[str, float]:
+    """Loss, top-1 and top-5 (percent) of `model` over the batches of every rank together."""
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, count
+    for x, y in batches:
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y, reduction="sum")
+        top1, top5 = topk_correct(logits, y)
+        totals += torch.stack([loss.double(), top1.double(), top5.double(),
+                               torch.tensor(len(y), dtype=torch.float64, device=device)])
+    loss_sum, top1, top5, count = all_reduce(totals).tolist()
+    count = max(count, 1.0)
+    return {"loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
+            "count": int(count)}

@@ -1,0 +1,184 @@
+"""Batches for one rank: the training plan, the classic DataLoader path and the device-resident path.
+
+`data.batch_size` is the GLOBAL batch of one optimizer step. Each epoch, a permutation drawn from
+(seed, epoch) is cut into global batches; each global batch is cut into world_size x accumulate
+micro-batches, and rank r takes micro-batch k * world_size + r at micro-step k. So the union over
+ranks and micro-steps of a step is exactly the single-device batch of that step.
+Evaluation shards each split into contiguous, unpadded pieces: every sample is seen exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from src.augment import draw_params, crop_flip, epoch_generator, normalize
+from src.config import ConfigError
+from src.datasets import DataBundle, Split
+
+
+@dataclass
+class Step:
+    micro: list[torch.Tensor]  # this rank's sample ids, one tensor per micro-step
+    global_count: int          # samples in the whole optimizer step, over all ranks
+
+
+def plan_epoch(n: int, global_batch: int, world: int, rank: int, accumulate: int, seed: int,
+               epoch: int) -> list[Step]:
+    """This rank's steps for one epoch. A short last global batch is kept (split as evenly as possible)
+    unless it has fewer samples than world_size x accumulate."""
+    perm = torch.randperm(n, generator=epoch_generator(seed, epoch, stream=0))
+    steps = []
+    for start in range(0, n, global_batch):
+        batch = perm[start:start + global_batch]
+        if len(batch) < world * accumulate:
+            break
+        chunks = torch.tensor_split(batch, world * accumulate)
+        steps.append(Step([chunks[k * world + rank] for k in range(accumulate)], len(batch)))
+    return steps
+
+
+def eval_shard(n: int, world: int, rank: int) -> torch.Tensor:
+    return torch.tensor_split(torch.arange(n), world)[rank]
+
+
+@dataclass
+class MicroBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+    boundary: bool       # last micro-step of an optimizer step
+    global_count: int    # samples in the optimizer step over all ranks
+
+
+class _Transform:
+    """uint8 sample ids -> normalized float batch; shared by both loaders."""
+
+    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device):
+        self.mean = torch.tensor(data.mean, device=device)
+        self.std = torch.tensor(data.std, device=device)
+        self.augment = data.augment == "crop_flip"
+        self.channels_last = channels_last
+
+    def __call__(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        if params is not None and self.augment:
+            images = crop_flip(images, params)
+        return normalize(images, self.mean, self.std, self.channels_last)
+
+
+class DeviceLoader:
+    """The whole dataset lives on the device as uint8; augmentation runs there, batched."""
+
+    name = "gpu"
+
+    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int):
+        self.device, self.seed = device, seed
+        self.splits = {k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
+                       for k in ("train", "val", "test")}
+        self.transform = _Transform(data, channels_last, device)
+
+    def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
+        images, labels = self.splits["train"]
+        params = draw_params(len(labels), self.seed, epoch).to(self.device)
+        for step in steps:
+            for k, ids in enumerate(step.micro):
+                ids = ids.to(self.device, non_blocking=True)
+                yield MicroBatch(self.transform(images[ids], params[ids]), labels[ids],
+                                 k == len(step.micro) - 1, step.global_count)
+
+    def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
+        images, labels = self.splits[split]
+        for chunk in ids.split(batch_size):
+            chunk = chunk.to(self.device)
+            yield self.transform(images[chunk], None), labels[chunk]
+
+
+class _MemoryBatches(torch.utils.data.Dataset):
+    """Worker side of the classic path for in-memory data: a whole micro-batch per fetch."""
+
+    def __init__(self, split: Split, transform: _Transform, seed: int):
+        self.split, self.transform, self.seed = split, transform, seed
+        self._params = (None, None)  # (epoch, params) cached per worker
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitems__(self, request):
+        epoch, ids = request
+        params = None
+        if epoch is not None:
+            if self._params[0] != epoch:
+                self._params = (epoch, draw_params(len(self.split), self.seed, epoch))
+            params = self._params[1][ids]
+        return self.transform(self.split.images[ids], params), self.split.labels[ids]
+
+
+class _FileBatches(torch.utils.data.Dataset):
+    """Worker side of the classic path for on-disk ImageFolders (PIL transforms per sample)."""
+
+    def __init__(self, split: Split, transform: _Transform):
+        self.split, self.transform = split, transform
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitems__(self, request):
+        _, ids = request
+        samples = [self.split.files[i] for i in ids.tolist()]
+        images = torch.stack([s[0] for s in samples])
+        return self.transform(images, None), torch.tensor([s[1] for s in samples])
+
+
+def _first(batch):
+    return batch
+
+
+class ClassicLoader:
+    """torch DataLoader with worker processes, pinned memory and prefetching."""
+
+    name = "classic"
+
+    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, num_workers: int, seed: int):
+        self.device = device
+        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"))
+        self.channels_last = channels_last
+        self.datasets = {k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory
+                             else _FileBatches(getattr(data, k), cpu)) for k in ("train", "val", "test")}
+        self.num_workers = num_workers
+        self.pin = device.type == "cuda"
+
+    def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            self.datasets[split], batch_sampler=requests, collate_fn=_first, num_workers=self.num_workers,
+            pin_memory=self.pin, prefetch_factor=4 if self.num_workers else None)
+
+    def _to_device(self, x, y):
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+    def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
+        requests = [(epoch, ids) for step in steps for ids in step.micro]
+        flat = iter(self._loader("train", requests))
+        for step in steps:
+            for k in range(len(step.micro)):
+                x, y = self._to_device(*next(flat))
+                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
+
+    def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
+        for x, y in self._loader(split, [(None, chunk) for chunk in ids.split(batch_size)]):
+            yield self._to_device(x, y)
+
+
+def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int):
+    """data.loader: gpu (device-resident), classic (DataLoader workers) or auto."""
+    choice = cfg.get("loader", "auto")
+    if choice == "auto":
+        choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
+    if choice == "gpu":
+        if not data.in_memory:
+            raise ConfigError("data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
+                              "or raise data.max_memory_gb")
+        return DeviceLoader(data, device, channels_last, seed)
+    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed)

@@ -1,0 +1,135 @@
+"""The `strategy/` group: single, dp (nn.DataParallel), ddp (DistributedDataParallel), fsdp (FSDP2).
+
+`wrap` returns the module to call in the training loop; the bare module (`core`) keeps the
+parameter names without `module.` prefixes, so a checkpoint from any strategy loads in any other.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+
+from src.config import ConfigError
+
+
+@dataclass
+class Wrapped:
+    model: nn.Module   # call this in forward/backward
+    core: nn.Module    # parameters / state dicts
+    name: str
+
+    def sync_context(self, boundary: bool):
+        """Skip the gradient all-reduce on micro-steps that are not the last of an optimizer step."""
+        if boundary:
+            return contextlib.nullcontext()
+        if self.name == "ddp":
+            return self.model.no_sync()
+        if self.name == "fsdp":
+            return _fsdp_no_sync(self.core)
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(core: nn.Module):
+    core.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        core.set_requires_gradient_sync(True)
+
+
+def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
+    """The sub-modules FSDP wraps one by one (each becomes one all-gather unit)."""
+    if spec in (None, "auto"):
+        targets = [m for m in model.children() if any(True for _ in m.parameters())]
+        # a Sequential of blocks (resnet layers) shards block by block
+        expanded = []
+        for m in targets:
+            expanded.extend(m.children() if isinstance(m, nn.Sequential) and len(m) > 1 else [m])
+        targets = [m for m in expanded if any(True for _ in m.parameters())]
+    else:
+        names = set(spec)
+        targets = [m for m in model.modules() if type(m).__name__ in names]
+        if not targets:
+            found = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"strategy.shard_modules={sorted(names)} matches no module of the model; "
+                              f"choose among {found[:15]} or use auto")
+    if not targets:
+        raise ConfigError(f"fsdp cannot shard {type(model).__name__}: it has no sub-module with parameters; "
+                          f"use strategy=ddp")
+    return targets
+
+
+def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torch.dtype,
+         devices_per_process: int = 1) -> Wrapped:
+    name = cfg.name
+    if name == "single":
+        return Wrapped(model, model, name)
+    if name == "dp":
+        return Wrapped(nn.DataParallel(model, device_ids=list(range(devices_per_process))), model, name)
+    if name == "ddp":
+        if cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+        return Wrapped(ddp, model, name)
+    if name == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32) if amp else \
+            MixedPrecisionPolicy()
+        for sub in shard_targets(model, cfg.shard_modules):
+            fully_shard(sub, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        return Wrapped(model, model, name)
+    raise ConfigError(f"strategy.name={name!r} is unknown; use single, dp, ddp or fsdp")
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state keyed by parameter name (collective under fsdp)."""
+    return get_state_dict(wrapped.core, optimizer, options=_FULL)
+
+
+def load_full_state(wrapped: Wrapped, optimizer: torch.optim.Optimizer | None, model_state: dict,
+                    optim_state: dict | None) -> None:
+    options = StateDictOptions(full_state_dict=True, strict=True)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(wrapped.core, model_state, options=options)
+    else:
+        set_state_dict(wrapped.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=options)
+
+
+def replicas_agree(core: nn.Module, device: torch.device) -> dict[str, bool]:
+    """Are the parameters / BatchNorm running stats identical on every rank?
+
+    Sharded (FSDP) parameters exist once and agree by construction; replicated tensors are compared
+    element-wise through an all-reduce of their max and min.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return {"params_in_sync": True, "bn_buffers_in_sync": True}
+    from torch.distributed.tensor import DTensor
+
+    groups = {"params_in_sync": [p for p in core.parameters() if not isinstance(p, DTensor)],
+              "bn_buffers_in_sync": [b for n, b in core.named_buffers() if "running_" in n]}
+    result = {}
+    for key, tensors in groups.items():
+        if not tensors:
+            result[key] = True
+            continue
+        flat = torch.cat([t.detach().double().flatten() for t in tensors]).to(device)
+        hi, lo = flat.clone(), flat.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        result[key] = bool(torch.equal(hi, lo))
+    return result

@@ -1,0 +1,354 @@
+"""`train(cfg) -> metrics`: the training loop every strategy and launcher shares."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import subprocess
+import time
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from src import checkpoint as ckpt
+from src.config import Layout, plan_layout
+from src.datasets import load_data
+from src.distributed import (RankEnv, agree, all_reduce, destroy_process_group, init_process_group,
+                             rank_env, reduce_max)
+from src.evaluate import evaluate, topk_correct
+from src.loaders import build_loader, eval_shard, plan_epoch
+from src.models import build_model
+from src.optim import build_optimizer
+from src.strategies import Wrapped, full_state, load_full_state, replicas_agree, wrap
+
+log = logging.getLogger("ddplab")
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
+    env = rank_env()
+    layout = plan_layout(cfg, env.world_size if env.external else None,
+                         env.local_world_size if env.external else None)
+    device = init_process_group(env, layout.device_type)
+    try:
+        return Run(cfg, env, layout, device).execute()
+    finally:
+        destroy_process_group()
+
+
+class _StopRequest:
+    """SIGUSR2 (submitit/SLURM, before a time limit or preemption) or SIGTERM: checkpoint, then exit."""
+
+    def __init__(self):
+        self.signum, self.frame, self.previous = None, None, {}
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._catch)
+            except ValueError:  # not the main thread (e.g. a test runner thread): no handler
+                pass
+
+    def _catch(self, signum, frame):
+        self.signum, self.frame = signum, frame
+
+    def hand_over(self) -> None:
+        """After our checkpoint: let the previous handler act (submitit requeues), else exit."""
+        prev = self.previous.get(self.signum)
+        if callable(prev):
+            prev(self.signum, self.frame)
+        raise SystemExit(128 + int(self.signum))
+
+    def restore(self) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Run:
+    def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
+        self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
+        self.t = cfg.trainer
+        self.primary = env.is_primary
+        self.run_dir = Path(cfg.paths.output_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        amp_dtype = torch.bfloat16 if self.t.amp_dtype == "bf16" else torch.float16
+        if self.t.amp and amp_dtype == torch.bfloat16 and device.type == "cuda" and \
+                not torch.cuda.is_bf16_supported():
+            amp_dtype = torch.float16
+        self.amp_dtype = amp_dtype
+        self.autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=self.t.amp)
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.t
+        torch.manual_seed(cfg.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+        elif self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        self.data = load_data(cfg.data)
+        model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
+        if t.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.wrapped: Wrapped = wrap(model, cfg.strategy, self.device, t.amp, self.amp_dtype,
+                                     self.layout.devices_per_process)
+        self.model = torch.compile(self.wrapped.model) if t.compile else self.wrapped.model
+        self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed)
+        fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
+        self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)
+        self.steps_per_epoch = len(self._plan(0))
+        # how often ranks agree on a pending stop signal (an all-reduce that waits for the device)
+        self.signal_check_every = 1 if self.layout.world_size == 1 else 10
+        self.scheduler = instantiate(cfg.scheduler)(self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs,
+                                                    steps_per_epoch=self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
+        self.writer = None
+        if self.primary:
+            from src.tb import open_writer
+            self.writer = open_writer(self.run_dir)
+
+    def _plan(self, epoch: int):
+        steps = plan_epoch(len(self.data.train), self.layout.global_batch, self.layout.world_size, self.env.rank,
+                           self.layout.accumulate, self.cfg.seed, epoch)
+        limit = self.t.limit_train_batches
+        return steps[:limit] if limit else steps
+
+    def _eval(self, split: str) -> dict:
+        n = len(getattr(self.data, split))
+        ids = eval_shard(n, self.layout.world_size, self.env.rank)
+        limit = self.t.limit_eval_batches
+        if limit:
+            ids = ids[: limit * self.cfg.data.eval_batch_size]
+        return evaluate(self.model, self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
+                        self.device, self.autocast)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        resume = self.t.resume
+        last = self.ckpt_dir / "last.pt"
+        if resume in (None, "none"):
+            if last.exists():
+                from src.config import ConfigError
+                raise ConfigError(f"{self.run_dir} already holds a run (checkpoints/last.pt) and trainer.resume=none "
+                                  f"would overwrite it; use trainer.resume=auto or a new run directory")
+            return None
+        if resume == "auto":
+            return last if last.exists() else None
+        return Path(resume)
+
+    def _state(self, position: tuple[int, int], partial_totals: torch.Tensor | None) -> dict:
+        model_state, optim_state = full_state(self.wrapped, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "epoch": position[0], "step": position[1],
+                "partial_totals": None if partial_totals is None else partial_totals.cpu(),
+                "best_val_top1": self.best_val_top1, "best_epoch": self.best_epoch, "history": self.history,
+                "rng": ckpt.rng_state(), "world_size": self.layout.world_size,
+                "strategy": self.cfg.strategy.name, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+
+    def _save(self, name: str, state: dict) -> None:
+        if self.primary:
+            ckpt.save_atomic(state, self.ckpt_dir / name)
+
+    def _load_weights(self, path, with_optimizer: bool) -> dict:
+        state = ckpt.load(path)
+        ckpt.check_compatible(state, self.wrapped.core.state_dict(), path)
+        load_full_state(self.wrapped, self.optimizer if with_optimizer else None, state["model"],
+                        state["optimizer"] if with_optimizer else None)
+        return state
+
+    def _restore(self, path: Path) -> None:
+        state = self._load_weights(path, with_optimizer=True)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.start = (state["epoch"], state["step"])
+        self.resumed_totals = state["partial_totals"]
+        self.best_val_top1, self.best_epoch = state["best_val_top1"], state["best_epoch"]
+        self.history = state["history"]
+        ckpt.set_rng_state(state["rng"])
+        if self.primary:
+            log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def _train_epoch(self, epoch: int, stop: _StopRequest) -> dict | None:
+        steps = self._plan(epoch)
+        first_step = self.start[1] if epoch == self.start[0] else 0
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, top-1 hits, count
+        if first_step and self.resumed_totals is not None:
+            totals += self.resumed_totals.to(self.device)
+        world = self.layout.world_size
+        self.model.train()
+        bar = tqdm(total=len(steps), initial=first_step, desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
+                   leave=False, dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
+        wait, step_index = 0.0, first_step
+        start = time.perf_counter()
+        batches = self.loader.train_batches(steps[first_step:], epoch)
+        while True:
+            t0 = time.perf_counter()
+            micro = next(batches, None)
+            wait += time.perf_counter() - t0
+            if micro is None:
+                break
+            with self.wrapped.sync_context(micro.boundary), self.autocast():
+                logits = self.model(micro.x)
+                loss_sum = F.cross_entropy(logits.float(), micro.y, reduction="sum",
+                                           label_smoothing=self.t.label_smoothing)
+            # sum / (samples of the whole step) x world: DDP/FSDP average over ranks, so every strategy
+            # and accumulation gets the gradient of the mean loss over the global batch.
+            self.scaler.scale(loss_sum * world / micro.global_count).backward()
+            totals += torch.stack([loss_sum.detach().double(), topk_correct(logits.detach(), micro.y, (1,))[0].double(),
+                                   torch.tensor(len(micro.y), dtype=torch.float64, device=self.device)])
+            if not micro.boundary:
+                continue
+            self._optimizer_step()
+            step_index += 1
+            bar.update(1)
+            if stop.previous and step_index % self.signal_check_every == 0 and \
+                    agree(stop.signum is not None, self.device):
+                self._save("last.pt", self._state((epoch, step_index), totals))
+                if self.primary:
+                    log.warning("signal %s: saved checkpoints/last.pt at epoch %d step %d; exiting",
+                                stop.signum, epoch + 1, step_index)
+                stop.hand_over()
+        bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = reduce_max(time.perf_counter() - start, self.device)
+        wait_fraction = all_reduce(torch.tensor([wait], dtype=torch.float64, device=self.device)).item() / world
+        loss_sum, hits, count = all_reduce(totals).tolist()
+        done = sum(s.global_count for s in steps[first_step:])
+        return {"train_loss": loss_sum / max(count, 1), "train_top1": 100 * hits / max(count, 1),
+                "epoch_sec": seconds, "images_per_sec": done / max(seconds, 1e-9),
+                "data_wait_fraction": wait_fraction / max(seconds, 1e-9), "lr": self.scheduler.get_last_lr()[0]}
+
+    def _optimizer_step(self) -> None:
+        if self.t.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.wrapped.core.parameters(), self.t.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _log_epoch(self, row: dict) -> None:
+        log.info("epoch %d/%d  train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% | %.2f s, %.0f img/s",
+                 row["epoch"], self.t.max_epochs, row["train_loss"], row["train_top1"], row["val_loss"],
+                 row["val_top1"], row["epoch_sec"], row["images_per_sec"])
+        for key, value in row.items():
+            if key != "epoch":
+                split, _, name = key.partition("_")
+                self.writer.add_scalar(f"{split}/{name}" if split in ("train", "val") else f"time/{key}",
+                                       value, row["epoch"])
+        self.writer.flush()
+
+    def _fit(self) -> None:
+        stop = _StopRequest()
+        try:
+            for epoch in range(self.start[0], self.t.max_epochs):
+                row = {"epoch": epoch + 1, **self._train_epoch(epoch, stop)}
+                val = self._eval("val")
+                row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
+                self.history.append(row)
+                is_best = val["top1"] > self.best_val_top1
+                if is_best:
+                    self.best_val_top1, self.best_epoch = val["top1"], epoch + 1
+                state = self._state((epoch + 1, 0), None)
+                if is_best:
+                    self._save("best.pt", state)
+                self._save("last.pt", state)
+                if self.primary:
+                    self._log_epoch(row)
+        finally:
+            stop.restore()
+
+    def _summary(self) -> dict:
+        rows = self.history[1:] if len(self.history) > 1 else self.history
+        if not rows:
+            return {}
+        seconds = sum(r["epoch_sec"] for r in rows)
+        return {"sec_per_epoch": seconds / len(rows),
+                "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
+                "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
+
+    def execute(self) -> dict:
+        self._build()
+        self.start, self.resumed_totals = (0, 0), None
+        self.best_val_top1, self.best_epoch, self.history = -math.inf, 0, []
+        l = self.layout
+        if self.primary:
+            log.info("strategy=%s world_size=%d device=%s | global batch %d = %d per device x %d devices x %d "
+                     "accumulation | %d steps/epoch", l.strategy, l.world_size, self.device.type, l.global_batch,
+                     l.per_device_batch, l.world_size * l.devices_per_process, l.accumulate, self.steps_per_epoch)
+        if self.cfg.train:
+            path = self._resume_path()
+            if path is not None:
+                self._restore(path)
+            self._fit()
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            best = self.ckpt_dir / "best.pt"
+            weights = best if best.exists() else self.ckpt_dir / "last.pt"
+            self._load_weights(weights, with_optimizer=False)
+            status = "completed"
+        else:
+            if not self.cfg.ckpt_path:
+                from src.config import ConfigError
+                raise ConfigError("train=false needs ckpt_path=<checkpoint file> to evaluate")
+            state = self._load_weights(self.cfg.ckpt_path, with_optimizer=False)
+            self.history, self.best_epoch = state.get("history", []), state.get("best_epoch", 0)
+            status = "evaluated"
+        val, test = self._eval("val"), self._eval("test")
+        final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
+                 "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
+                 "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.best_epoch,
+                 **self._summary(), **replicas_agree(self.wrapped.core, self.device)}
+        if self.primary:
+            self._report(final, status)
+        return final
+
+    def hparams(self) -> dict:
+        c, l = self.cfg, self.layout
+        target = c.model.get("_target_", "")
+        return {"strategy": l.strategy, "world_size": l.world_size * l.devices_per_process,
+                "global_batch": l.global_batch, "per_device_batch": l.per_device_batch, "amp": self.t.amp,
+                "amp_dtype": self.t.amp_dtype, "sync_bn": bool(c.strategy.sync_bn),
+                "accumulate_grad_batches": l.accumulate, "model": c.model.get("name", target.rsplit(".", 1)[-1]),
+                "data": c.data.name, "seed": c.seed, "lr": c.optim.lr, "loader": self.loader.name,
+                "compile": self.t.compile, "channels_last": self.t.channels_last}
+
+    def _report(self, final: dict, status: str) -> None:
+        from src.tb import write_hparams
+
+        log.info("test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
+                 "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
+                 final["test_loss"], final["test_top1"], final["test_top5"], final["test_count"],
+                 final["best_epoch"], final.get("sec_per_epoch", float("nan")),
+                 final.get("images_per_sec", float("nan")), 100 * final.get("data_wait_fraction", 0.0),
+                 final["params_in_sync"], final["bn_buffers_in_sync"])
+        for key in ("test_loss", "test_top1", "test_top5"):
+            self.writer.add_scalar(f"test/{key[5:]}", final[key], len(self.history))
+        write_hparams(self.writer, self.hparams(), final)
+        self.writer.close()
+        overrides_file = self.run_dir / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        metrics = {"status": status, "final": final, "epochs": self.history, "hparams": self.hparams(),
+                   "overrides": overrides, "config": OmegaConf.to_container(self.cfg, resolve=True),
+                   "torch_version": torch.__version__, "device_name": device_name, "git_commit": _git_commit()}
+        tmp = self.run_dir / ".metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2, default=str))
+        tmp.replace(self.run_dir / "metrics.json")
+        log.info("outputs: %s (metrics.json, checkpoints/, tb/)", self.run_dir)
