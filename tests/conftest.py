@@ -1,0 +1,49 @@
+"""Shared fixtures: compose the real config and shrink it (tiny model, few batches, CPU, tmp dirs)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+import src  # noqa: F401  (registers the run-directory resolvers)
+from tests.slurm_fixture import slurm_cluster, slurm_env  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR_JPEG_ZIP = ROOT.parent / "shared" / "datasets" / "cifar10-jpeg.zip"
+
+
+def make_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
+    """The real config with the test shrink applied, writing into tmp_path."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["debug=fast", f"paths.root_dir={ROOT}",
+                                          f"paths.data_dir={tmp_path}/data", *overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "run")
+    return cfg
+
+
+def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 300, env: dict | None = None,
+            command: list[str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([*(command or [sys.executable, str(ROOT / "train.py")]), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "metrics.json").read_text())
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+@pytest.fixture
+def cfg_factory(tmp_path):
+    return lambda *overrides, sub="": make_cfg(tmp_path / sub if sub else tmp_path, *overrides)

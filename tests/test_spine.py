@@ -1,0 +1,293 @@
+"""The spine on one process: CLI, default run, exact metrics, checkpoints, resume, data, bad input."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import open_dict
+
+from src.config import ConfigError
+from src.datasets import load_data
+from src.launch import main as launch
+from src.models import build_model
+from src.trainer import train
+from tests.conftest import CIFAR_JPEG_ZIP, ROOT, make_cfg, read_metrics, run_cli, weights
+
+
+def test_cli_trains_and_writes_run_dir(tmp_path):
+    run_dir = tmp_path / "cli-run"
+    proc = run_cli("debug=fast", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "epoch 2/2" in out and "test loss" in out and f"outputs: {run_dir}" in out
+    m = read_metrics(run_dir)
+    assert m["status"] == "completed" and len(m["epochs"]) == 2
+    assert m["final"]["test_count"] == 360  # digits: 20% stratified hold-out of 1,797
+    assert m["hparams"]["global_batch"] == 128 and m["hparams"]["per_device_batch"] == 128
+    assert m["torch_version"] == torch.__version__ and m["overrides"] == ["debug=fast", f"hydra.run.dir={run_dir}"][:1]
+    for name in ("checkpoints/last.pt", "checkpoints/best.pt", ".hydra/config.yaml", "train.log"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert "global batch 128 = 128 per device" in (run_dir / "train.log").read_text()
+
+
+def test_default_run_reaches_95_percent_on_digits(tmp_path):
+    """`python train.py` with no arguments: digits, >= 95 % test top-1 (the CPU budget is checked in the README run)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root_dir={ROOT}", "trainer.progress_bar=false"])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "run")
+    assert cfg.data.name == "digits" and cfg.trainer.max_epochs == 20
+    metrics = train(cfg)
+    assert metrics["test_top1"] >= 95.0
+
+
+def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory):
+    cfg = cfg_factory("data.eval_batch_size=7")  # 360 test images: 51 full batches and a tail of 3
+    metrics = train(cfg)
+    data = load_data(cfg.data)
+    model = build_model(cfg.model, data.num_classes, data.channels)
+    model.load_state_dict(weights(tmp_path / "run/checkpoints/best.pt"))
+    model.eval()
+    mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
+    with torch.no_grad():
+        logits = model((data.test.images.float() / 255 - mean) / std)
+    y = data.test.labels
+    assert metrics["test_count"] == len(y) == 360
+    assert metrics["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+    assert metrics["test_top1"] == pytest.approx(100 * (logits.argmax(1) == y).double().mean().item())
+    top5 = (logits.topk(5, 1).indices == y[:, None]).any(1).double().mean().item()
+    assert metrics["test_top5"] == pytest.approx(100 * top5)
+
+
+def test_best_checkpoint_is_chosen_on_validation_and_evaluated(tmp_path, cfg_factory):
+    metrics = train(cfg_factory("trainer.max_epochs=3"))
+    history = read_metrics(tmp_path / "run")["epochs"]
+    best = max(history, key=lambda r: r["val_top1"])
+    assert metrics["best_epoch"] == best["epoch"]
+    assert metrics["val_top1"] == pytest.approx(best["val_top1"])
+    state = torch.load(tmp_path / "run/checkpoints/best.pt", weights_only=False)
+    assert state["epoch"] == best["epoch"] and {"optimizer", "scheduler", "scaler", "rng"} <= set(state)
+
+
+def test_eval_only_reproduces_the_final_metrics(tmp_path, cfg_factory):
+    trained = train(cfg_factory())
+    cfg = cfg_factory("train=false", f"ckpt_path={tmp_path}/run/checkpoints/best.pt", sub="eval")
+    evaluated = train(cfg)
+    for key in ("test_loss", "test_top1", "test_top5", "val_top1"):
+        assert evaluated[key] == pytest.approx(trained[key], rel=1e-6)
+    assert read_metrics(tmp_path / "eval/run")["status"] == "evaluated"
+
+
+def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
+    common = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1", "data.batch_size=64")
+    train(cfg_factory(*common, sub="a"))
+    train(cfg_factory(*common, "trainer.accumulate_grad_batches=4", sub="b"))
+    wa, wb = weights(tmp_path / "a/run/checkpoints/last.pt"), weights(tmp_path / "b/run/checkpoints/last.pt")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
+    args = ["debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=6", "trainer.deterministic=true",
+            "data.batch_size=32"]
+    straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run_dir = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "saved checkpoints/last.pt" in out, out[-2000:]
+    assert not (run_dir / "metrics.json").exists()
+    resumed = run_cli(*args, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr
+    a, b = read_metrics(tmp_path / "a"), read_metrics(run_dir)
+    for key in ("test_loss", "test_top1", "test_top5", "best_val_top1"):
+        assert b["final"][key] == pytest.approx(a["final"][key], rel=1e-6), key
+    assert [r["train_loss"] for r in b["epochs"]] == pytest.approx([r["train_loss"] for r in a["epochs"]], rel=1e-6)
+
+
+def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
+    from src import checkpoint as ckpt
+
+    target = tmp_path / "c/last.pt"
+    ckpt.save_atomic({"model": {"w": torch.ones(2)}}, target)
+
+    def broken_save(obj, path):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        ckpt.save_atomic({"model": {"w": torch.zeros(2)}}, target)
+    assert torch.equal(ckpt.load(target)["model"]["w"], torch.ones(2))  # the old file is intact
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def _write_tree(root: Path, classes=("cat", "dog", "emu"), per_class=(7, 5), size=(12, 10)):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "val"), per_class):
+        for c, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                pixels[..., c] = 255  # a class-coloured channel
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+
+
+def test_imagefolder_small_tree(tmp_path, cfg_factory):
+    _write_tree(tmp_path / "tree")
+    cfg = cfg_factory("data=imagefolder", f"data.root={tmp_path}/tree", "data.batch_size=8", "data.val_fraction=0.2")
+    data = load_data(cfg.data)
+    assert data.classes == ["cat", "dog", "emu"] and data.image_size == (10, 12) and data.in_memory
+    assert len(data.test) == 15 and len(data.train) + len(data.val) == 21 and len(data.val) >= 3
+    assert (tmp_path / "tree/.ddplab-cache").is_dir()  # decoded once, cached beside the data
+    metrics = train(cfg)
+    assert metrics["test_count"] == 15
+
+
+@pytest.mark.skipif(not CIFAR_JPEG_ZIP.exists(), reason="../shared/datasets/cifar10-jpeg.zip not present")
+def test_imagefolder_on_cifar10_jpeg_subset(tmp_path, cfg_factory):
+    root = tmp_path / "cifar10-jpeg"
+    with zipfile.ZipFile(CIFAR_JPEG_ZIP) as z:
+        names = [n for n in z.namelist() if n.endswith(".jpg")]
+        picked = [n for n in names if int(Path(n).stem) % 50 == 0]  # ~1,200 of 60,000
+        for n in picked:
+            target = tmp_path / n
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(n))
+    cfg = cfg_factory("data=imagefolder", f"data.root={root}", "data.batch_size=64", "data.num_workers=0")
+    data = load_data(cfg.data)
+    assert data.num_classes == 10 and data.image_size == (32, 32) and data.augment == "crop_flip"
+    metrics = train(cfg)
+    assert metrics["test_count"] == len(data.test) > 100
+
+
+def test_synthetic_data_has_configured_shape(cfg_factory):
+    data = load_data(cfg_factory("data=synthetic", "data.shape=[3,16,16]", "data.num_classes=7").data)
+    assert data.train.images.shape[1:] == (3, 16, 16) and data.num_classes == 7
+
+
+def test_cifar_missing_without_network_is_a_clear_error(tmp_path, cfg_factory):
+    cfg = cfg_factory("data=cifar10", "data.download=false")
+    with pytest.raises(ConfigError, match=r"cifar10 is not in .*data/cifar10.*place cifar-10-python.tar.gz"):
+        load_data(cfg.data)
+
+
+def test_crop_flip_matches_a_per_image_reference():
+    from src.augment import crop_flip
+
+    images = torch.randint(0, 256, (5, 3, 6, 7), dtype=torch.uint8)
+    params = torch.tensor([[0, 0, 0], [8, 8, 1], [4, 4, 0], [1, 7, 1], [3, 2, 0]])
+    out = crop_flip(images, params)
+    for img, (oy, ox, flip), got in zip(images, params.tolist(), out):
+        ref = F.pad(img, (4, 4, 4, 4))[:, oy:oy + 6, ox:ox + 7]
+        assert torch.equal(got, ref.flip(-1) if flip else ref)
+
+
+def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory):
+    from src.loaders import ClassicLoader, DeviceLoader, plan_epoch
+
+    cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
+    data = load_data(cfg.data)
+    steps = plan_epoch(len(data.train), 16, 1, 0, 2, seed=3, epoch=1)
+    cpu = torch.device("cpu")
+    a = list(DeviceLoader(data, cpu, False, seed=3).train_batches(steps, 1))
+    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3).train_batches(steps, 1))
+    assert len(a) == len(b) == 2 * len(steps)
+    for x, y in zip(a, b):
+        assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.boundary == y.boundary
+
+
+def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
+    from src.loaders import plan_epoch
+
+    single = plan_epoch(103, 20, 1, 0, 1, seed=1, epoch=0)
+    ranks = [plan_epoch(103, 20, 2, r, 2, seed=1, epoch=0) for r in range(2)]
+    assert [s.global_count for s in single] == [20] * 5 + [3]  # the short last batch is kept (3 >= 1 x 1)
+    assert len(ranks[0]) == 5  # ... but not with 2 ranks x 2 micro-steps: 3 < 4 samples
+    for s, (r0, r1) in enumerate(zip(*ranks)):
+        union = torch.cat([*r0.micro, *r1.micro])
+        assert sorted(union.tolist()) == sorted(single[s].micro[0].tolist())
+        assert r0.global_count == len(single[s].micro[0])
+
+
+# --- bad input: one line, exit 2, nothing written ------------------------------------------------
+
+@pytest.mark.parametrize("override, message", [
+    ("model=nope", "Could not find 'model/nope'"),
+    ("data.batch_size=101", "data.batch_size=101 (global) is not divisible"),
+    ("trainer.max_epochs=two", "trainer.max_epochs must be a positive integer"),
+])
+def test_bad_cli_input_is_one_line_before_anything_runs(tmp_path, override, message):
+    proc = run_cli("debug=fast", "strategy=ddp", "trainer.devices=2", override, f"hydra.run.dir={tmp_path}/r")
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r/metrics.json").exists() and not (tmp_path / "r/checkpoints").exists()
+
+
+def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
+    from src.config import plan_layout
+
+    cases = [
+        (("trainer.device=cuda",), "no CUDA GPU is visible"),
+        (("strategy=dp",), "strategy=dp (nn.DataParallel) needs CUDA GPUs"),
+        (("strategy=single", "strategy.sync_bn=true"), "sync_bn=true works only with strategy=ddp"),
+        (("strategy=ddp",), "single process; HINT: set trainer.devices=2"),
+        (("strategy=ddp", "trainer.devices=999"), "only 2 CPU core(s) are available"),
+        (("data.batch_size=10", "trainer.accumulate_grad_batches=3"), "not divisible"),
+        (("trainer.amp=yes",), "trainer.amp must be true or false"),
+        (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
+    ]
+    if torch.cuda.is_available():
+        cases = cases[5:]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as info:
+            plan_layout(cfg_factory(*overrides))
+        assert message in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="matches no module"):
+        from src.strategies import shard_targets
+        shard_targets(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["Conv2d"])
+
+
+def test_data_errors(tmp_path, cfg_factory):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_data(cfg_factory("data=imagefolder", f"data.root={tmp_path}/missing").data)
+    (tmp_path / "flat/train").mkdir(parents=True)
+    (tmp_path / "flat/train/img.png").write_bytes(b"")
+    with pytest.raises(ConfigError, match="has no class folders"):
+        load_data(cfg_factory("data=imagefolder", f"data.root={tmp_path}/flat").data)
+
+
+def test_bad_resume_checkpoints(tmp_path, cfg_factory):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="unreadable"):
+        launch(cfg_factory(f"trainer.resume={garbage}"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        launch(cfg_factory(f"trainer.resume={tmp_path}/none.pt"))
+    train(cfg_factory(sub="a"))
+    mismatched = cfg_factory("model.width=8", f"trainer.resume={tmp_path}/a/run/checkpoints/last.pt", sub="b")
+    with pytest.raises(ConfigError, match="does not match this model"):
+        train(mismatched)
+    with pytest.raises(ConfigError, match="would overwrite it"):
+        train(cfg_factory("trainer.resume=none", sub="a"))
