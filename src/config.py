@@ -111,6 +111,8 @@ def plan_layout(cfg: DictConfig, launched_world_size: int | None = None,
     if cfg.strategy.sync_bn:
         _expect(strategy == "ddp", f"strategy.sync_bn=true works only with strategy=ddp (SyncBatchNorm needs "
                                    f"DistributedDataParallel), got strategy={strategy}; drop strategy.sync_bn")
+        _expect(device_type == "cuda", "strategy.sync_bn=true needs CUDA GPUs (torch's SyncBatchNorm has no CPU "
+                                       "kernel); drop it on CPU, or use model.batch_norm=false")
     if strategy == "dp":
         _expect(device_type == "cuda", "strategy=dp (nn.DataParallel) needs CUDA GPUs and none is in use; "
                                        "HINT: use strategy=ddp trainer.devices=2 for multi-process training on CPU")

@@ -6,6 +6,7 @@ parameter names without `module.` prefixes, so a checkpoint from any strategy lo
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +75,13 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
     if name == "ddp":
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+        with warnings.catch_warnings():  # newer torch renames broadcast_buffers; keep the name 2.11 knows
+            warnings.simplefilter("ignore", FutureWarning)
+            ddp = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
+                broadcast_buffers=cfg.broadcast_buffers)
         return Wrapped(ddp, model, name)
     if name == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -44,11 +44,15 @@ def train(cfg: DictConfig) -> dict:
 
 
 class _StopRequest:
-    """SIGUSR2 (submitit/SLURM, before a time limit or preemption) or SIGTERM: checkpoint, then exit."""
+    """SIGUSR2 (submitit/SLURM, before a time limit or preemption) or SIGTERM: checkpoint, then exit.
 
-    def __init__(self):
+    Under torch's elastic launcher SIGTERM is left alone: the agent uses it to stop the surviving
+    workers of a failed group before it restarts them (they resume from the last epoch's checkpoint).
+    """
+
+    def __init__(self, elastic: bool):
         self.signum, self.frame, self.previous = None, None, {}
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
+        for sig in (signal.SIGUSR2,) if elastic else (signal.SIGUSR2, signal.SIGTERM):
             try:
                 self.previous[sig] = signal.signal(sig, self._catch)
             except ValueError:  # not the main thread (e.g. a test runner thread): no handler
@@ -255,7 +259,7 @@ class Run:
         self.writer.flush()
 
     def _fit(self) -> None:
-        stop = _StopRequest()
+        stop = _StopRequest(elastic=self.env.launcher == "torchelastic")
         try:
             for epoch in range(self.start[0], self.t.max_epochs):
                 row = {"epoch": epoch + 1, **self._train_epoch(epoch, stop)}
@@ -297,6 +301,8 @@ class Run:
             if path is not None:
                 self._restore(path)
             self._fit()
+            # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
+            in_sync = replicas_agree(self.wrapped.core, self.device)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
             best = self.ckpt_dir / "best.pt"
@@ -310,11 +316,12 @@ class Run:
             state = self._load_weights(self.cfg.ckpt_path, with_optimizer=False)
             self.history, self.best_epoch = state.get("history", []), state.get("best_epoch", 0)
             status = "evaluated"
+            in_sync = replicas_agree(self.wrapped.core, self.device)
         val, test = self._eval("val"), self._eval("test")
         final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
                  "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
                  "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.best_epoch,
-                 **self._summary(), **replicas_agree(self.wrapped.core, self.device)}
+                 **self._summary(), **in_sync}
         if self.primary:
             self._report(final, status)
         return final

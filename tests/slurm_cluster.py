@@ -19,6 +19,7 @@ installed by ``.ci/install_slurm.sh``. Clients (sbatch, srun, sacct, submitit) n
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -50,6 +51,19 @@ def slurm_available() -> tuple[bool, str]:
     return True, ""
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the daemon if the process that started it dies (e.g. a killed pytest)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _can_unshare_uts() -> bool:
+    unshare = _which("unshare")
+    return bool(unshare) and subprocess.run([unshare, "--uts", "true"], capture_output=True).returncode == 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +84,7 @@ class SlurmClusterError(RuntimeError):
 
 class SlurmCluster:
     def __init__(self, workdir, cluster_name: str = "ddplab", nodes=NODES, cpus_per_node: int = 4,
-                 real_memory_mb: int = 4000, partition: str = "debug", uts_namespaces: bool = True):
+                 real_memory_mb: int = 16000, partition: str = "debug", uts_namespaces: bool = True):
         self.workdir = Path(workdir).resolve()
         self.cluster_name = cluster_name
         self.nodes = tuple(nodes)
@@ -140,6 +154,8 @@ class SlurmCluster:
         if not ok:
             raise SlurmClusterError(reason)
         deadline = time.monotonic() + timeout
+        if self.uts_namespaces and not _can_unshare_uts():
+            self.uts_namespaces = False     # e.g. docker without CAP_SYS_ADMIN: nodes keep this host's name
         try:
             self._prepare()
             self._start_munge(deadline)
@@ -147,11 +163,11 @@ class SlurmCluster:
             self._spawn("slurmdbd", [_which("slurmdbd"), "-D"], self.workdir / "log" / "slurmdbd.log")
             self._wait("slurmdbd", deadline, lambda: self._port_open(self.dbd_port))
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i"], self.workdir / "log" / "slurmctld.log")
-            self._wait("slurmctld", deadline, lambda: self.run("scontrol", "ping", check=False).stdout.count("UP") > 0)
+            self._wait("slurmctld", deadline, lambda: "is UP" in self.run("scontrol", "ping", check=False).stdout)
             for name, _ in self.nodes:
                 cmd = [_which("slurmd"), "-D", "-N", name]
                 if self.uts_namespaces:
-                    cmd = ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', name] + cmd
+                    cmd = [_which("unshare"), "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', name] + cmd
                 self._spawn(f"slurmd.{name}", cmd, self.workdir / "log" / f"slurmd.{name}.log")
             self._wait("slurmd.*", deadline, self._nodes_idle)
             self._wait("slurmdbd", deadline, self._cluster_registered)
@@ -161,19 +177,24 @@ class SlurmCluster:
         return self
 
     def stop(self, timeout: float = 15) -> None:
-        """Cancel jobs, stop every daemon by PID (reverse start order), kill leftover job processes."""
+        """Cancel jobs, stop every daemon by PID (reverse start order), kill leftover job processes,
+        delete the database and munge key (logs and configs stay in workdir for debugging)."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             try:
-                self.run("scancel", "--full", "--user=root", check=False, timeout=10)
+                jobs = self.squeue()
+                if jobs:
+                    self.run("scancel", *jobs, check=False, timeout=10)
                 end = time.monotonic() + 10
                 while self.squeue() and time.monotonic() < end:
                     time.sleep(0.2)
-            except (subprocess.TimeoutExpired, OSError):
+            except (subprocess.SubprocessError, OSError):
                 pass
         for name in reversed(list(self.procs)):
             self._terminate(self.procs[name], timeout)
         self.procs.clear()
         self._kill_strays()
+        for path in (self.workdir / "mysql" / "data", self.workdir / "munge" / "key"):
+            shutil.rmtree(path, ignore_errors=True)
 
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.procs.items() if p.poll() is None}
@@ -281,15 +302,16 @@ StorageLoc=slurm_acct_db
 
     def _start_mariadb(self, deadline: float) -> None:
         m = self.workdir / "mysql"
+        common = ["--no-defaults", f"--datadir={m}/data", "--user=root", "--innodb-log-file-size=8M"]
         if not (m / "data" / "mysql").exists():
-            p = subprocess.run([_which("mariadb-install-db"), "--no-defaults", f"--datadir={m}/data", "--user=root",
-                                "--auth-root-authentication-method=socket", "--skip-test-db"],
+            p = subprocess.run([_which("mariadb-install-db"), *common, "--auth-root-authentication-method=socket",
+                                "--skip-test-db"],
                                capture_output=True, text=True, timeout=max(5, deadline - time.monotonic()))
             if p.returncode:
                 raise SlurmClusterError(f"mariadb-install-db failed:\n{p.stdout}{p.stderr}")
-        self._spawn("mariadbd", [_which("mariadbd"), "--no-defaults", f"--datadir={m}/data", "--user=root",
-                                 f"--socket={self.mysql_socket}", f"--pid-file={m}/mariadbd.pid", "--skip-networking",
-                                 f"--log-error={m}/error.log", "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900"], m / "error.log")
+        self._spawn("mariadbd", [_which("mariadbd"), *common, f"--socket={self.mysql_socket}", "--skip-networking",
+                                 f"--pid-file={m}/mariadbd.pid", f"--log-error={m}/error.log",
+                                 "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900"], m / "error.log")
         self._wait("mariadbd", deadline, lambda: subprocess.run(
             [_which("mariadb"), "--no-defaults", "-S", str(self.mysql_socket), "-u", "root", "-e", "select 1"],
             capture_output=True).returncode == 0)
@@ -300,7 +322,8 @@ StorageLoc=slurm_acct_db
         out = open(self.workdir / "log" / f"{name}.stdout", "ab")
         try:
             self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                env=env, cwd=self.workdir, start_new_session=True)
+                                                env=env, cwd=self.workdir, start_new_session=True,
+                                                preexec_fn=_die_with_parent)
         finally:
             out.close()
         self.logs[name] = log

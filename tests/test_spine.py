@@ -252,6 +252,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("trainer.device=cuda",), "no CUDA GPU is visible"),
         (("strategy=dp",), "strategy=dp (nn.DataParallel) needs CUDA GPUs"),
         (("strategy=single", "strategy.sync_bn=true"), "sync_bn=true works only with strategy=ddp"),
+        (("strategy=ddp", "trainer.devices=2", "strategy.sync_bn=true"), "sync_bn=true needs CUDA GPUs"),
         (("strategy=ddp",), "single process; HINT: set trainer.devices=2"),
         (("strategy=ddp", "trainer.devices=999"), "only 2 CPU core(s) are available"),
         (("data.batch_size=10", "trainer.accumulate_grad_batches=3"), "not divisible"),
@@ -259,7 +260,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
     if torch.cuda.is_available():
-        cases = cases[5:]
+        cases = cases[6:]
     for overrides, message in cases:
         with pytest.raises(ConfigError) as info:
             plan_layout(cfg_factory(*overrides))

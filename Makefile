@@ -1,0 +1,43 @@
+# ddplab — `make help` lists the targets.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+ARGS   ?=
+SWEEP  ?= $(lastword $(sort $(wildcard multirun/*/*)))
+
+.PHONY: help install train test test-fast report tensorboard bench slurm-install clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+install: $(VENV)/.installed  ## create/reuse .venv and install requirements.txt
+
+train: install  ## train with the default config (digits, CPU or GPU); pass overrides as ARGS="strategy=ddp ..."
+	$(PY) train.py $(ARGS)
+
+test: install slurm-install  ## install, then the whole test suite (CPU; SLURM tests skip where slurm can't be installed)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: install  ## tests without the multi-process and SLURM ones
+	$(PY) -m pytest -q -m "not slow and not slurm" $(ARGS)
+
+report: install  ## results table of a sweep: make report SWEEP=multirun/<date>/<time>
+	$(PY) -m src.report $(SWEEP)
+
+tensorboard: install  ## TensorBoard over a sweep (default: the newest) or LOGDIR=...
+	$(VENV)/bin/tensorboard --logdir $(or $(LOGDIR),$(SWEEP),outputs)
+
+bench: install  ## speed benchmark (GPU); ARGS="--smoke" runs the tiny CPU mode
+	$(PY) bench/bench.py $(ARGS)
+
+slurm-install:  ## install Debian's slurm-wlm + munge + slurmdbd + mariadb for the SLURM tests (needs root + apt)
+	@bash .ci/install_slurm.sh || echo "make: SLURM packages not installed; the SLURM tests will be skipped"
+
+clean:  ## remove outputs/ and multirun/ contents (keeps .venv)
+	rm -rf outputs multirun/*/
