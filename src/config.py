@@ -37,7 +37,7 @@ def check_types(cfg: DictConfig) -> None:
     t = cfg.trainer
     _expect(isinstance(t.max_epochs, int) and t.max_epochs >= 1,
             f"trainer.max_epochs must be a positive integer, got {t.max_epochs!r}")
-    for key in ("amp", "channels_last", "compile", "deterministic", "progress_bar"):
+    for key in ("amp", "channels_last", "compile", "deterministic", "progress_bar", "test_every_epoch"):
         _expect(isinstance(t[key], bool), f"trainer.{key} must be true or false, got {t[key]!r}")
     _expect(isinstance(cfg.train, bool), f"train must be true or false, got {cfg.train!r}")
     _expect(t.amp_dtype in ("bf16", "fp16"), f"trainer.amp_dtype must be bf16 or fp16, got {t.amp_dtype!r}")
@@ -135,8 +135,8 @@ def plan_layout(cfg: DictConfig, launched_world_size: int | None = None,
                         f"on this node; set trainer.devices={launched_local_size} or trainer.devices=auto")
             world = launched_world_size
         else:
-            if requested == "auto":
-                requested = available if device_type == "cuda" else 1
+            if requested == "auto":  # every GPU; on a CPU-only machine, two gloo processes
+                requested = available if device_type == "cuda" else min(2, available)
             _expect(requested <= available, f"trainer.devices={requested} but only {available} "
                                             f"{'GPU' if device_type == 'cuda' else 'CPU core'}(s) are available; "
                                             f"lower trainer.devices")

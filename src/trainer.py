@@ -81,6 +81,17 @@ def _git_commit() -> str | None:
         return None
 
 
+def _finite(obj):
+    """NaN (e.g. no validation split) becomes null: metrics.json stays strict JSON."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 class Run:
     def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
         self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
@@ -249,12 +260,12 @@ class Run:
 
     def _log_epoch(self, row: dict) -> None:
         log.info("epoch %d/%d  train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% | %.2f s, %.0f img/s",
-                 row["epoch"], self.t.max_epochs, row["train_loss"], row["train_top1"], row["val_loss"],
-                 row["val_top1"], row["epoch_sec"], row["images_per_sec"])
+                 row["epoch"], self.t.max_epochs, row["train_loss"], row["train_top1"], row.get("val_loss", math.nan),
+                 row.get("val_top1", math.nan), row["epoch_sec"], row["images_per_sec"])
         for key, value in row.items():
             if key != "epoch":
                 split, _, name = key.partition("_")
-                self.writer.add_scalar(f"{split}/{name}" if split in ("train", "val") else f"time/{key}",
+                self.writer.add_scalar(f"{split}/{name}" if split in ("train", "val", "test") else f"time/{key}",
                                        value, row["epoch"])
         self.writer.flush()
 
@@ -263,12 +274,19 @@ class Run:
         try:
             for epoch in range(self.start[0], self.t.max_epochs):
                 row = {"epoch": epoch + 1, **self._train_epoch(epoch, stop)}
-                val = self._eval("val")
-                row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
+                previous = self.history[-1]["train_sec_total"] if self.history else 0.0
+                row["train_sec_total"] = previous + row["epoch_sec"]  # training time only, for time-to-accuracy
+                if len(self.data.val):
+                    val = self._eval("val")
+                    row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
+                if self.t.test_every_epoch:  # a curve for time-to-accuracy; never used to pick weights
+                    test = self._eval("test")
+                    row.update(test_loss=test["loss"], test_top1=test["top1"], test_top5=test["top5"])
                 self.history.append(row)
-                is_best = val["top1"] > self.best_val_top1
+                # without a validation split the latest weights count as the best
+                is_best = row.get("val_top1", math.inf) > self.best_val_top1 or not len(self.data.val)
                 if is_best:
-                    self.best_val_top1, self.best_epoch = val["top1"], epoch + 1
+                    self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), epoch + 1
                 state = self._state((epoch + 1, 0), None)
                 if is_best:
                     self._save("best.pt", state)
@@ -317,7 +335,8 @@ class Run:
             self.history, self.best_epoch = state.get("history", []), state.get("best_epoch", 0)
             status = "evaluated"
             in_sync = replicas_agree(self.wrapped.core, self.device)
-        val, test = self._eval("val"), self._eval("test")
+        val = self._eval("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
+        test = self._eval("test")
         final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
                  "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
                  "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.best_epoch,
@@ -356,6 +375,6 @@ class Run:
                    "overrides": overrides, "config": OmegaConf.to_container(self.cfg, resolve=True),
                    "torch_version": torch.__version__, "device_name": device_name, "git_commit": _git_commit()}
         tmp = self.run_dir / ".metrics.json.tmp"
-        tmp.write_text(json.dumps(metrics, indent=2, default=str))
+        tmp.write_text(json.dumps(_finite(metrics), indent=2, default=str))
         tmp.replace(self.run_dir / "metrics.json")
         log.info("outputs: %s (metrics.json, checkpoints/, tb/)", self.run_dir)

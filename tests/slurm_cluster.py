@@ -334,7 +334,7 @@ StorageLoc=slurm_acct_db
             dead = [n for n in names if self.procs[n].poll() is not None]
             if dead:
                 raise SlurmClusterError(f"{dead[0]} exited with {self.procs[dead[0]].returncode} during start\n"
-                                        + self._log_tails(*names))
+                                        + self._log_tails(dead[0]))
             try:
                 if ready():
                     return

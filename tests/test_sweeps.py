@@ -1,0 +1,77 @@
+"""A 2 x 2 CPU sweep through the CLI, then the report and TensorBoard's HParams on its outputs."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def job(seed: str, strategy: str) -> str:
+    """Hydra's override_dirname: every override of the job, sorted, key=value joined by commas."""
+    return f"debug=fast,seed={seed},strategy={strategy},trainer.max_epochs=1"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    sweep_dir = tmp_path_factory.mktemp("sweep") / "s"
+    proc = run_cli("-m", "debug=fast", "trainer.max_epochs=1", "seed=1,2,x", "strategy=single,ddp",
+                   f"hydra.sweep.dir={sweep_dir}", timeout=600)
+    assert proc.returncode != 0, "the seed=x points must fail the sweep"
+    return sweep_dir, proc
+
+
+def test_each_job_dir_is_named_from_its_overrides(sweep):
+    sweep_dir, proc = sweep
+    names = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert names == sorted(job(s, k) for s in ("1", "2", "x") for k in ("single", "ddp"))
+    for s in ("1", "2"):
+        for k in ("single", "ddp"):
+            m = json.loads((sweep_dir / job(s, k) / "metrics.json").read_text())
+            assert m["status"] == "completed" and m["hparams"]["world_size"] == (2 if k == "ddp" else 1)
+    assert not (sweep_dir / job("x", "ddp") / "metrics.json").exists()
+    assert "seed must be an integer" in proc.stdout + proc.stderr
+
+
+def test_report_table_matches_the_jobs(sweep):
+    sweep_dir, _ = sweep
+    out = subprocess.run([sys.executable, "-m", "src.report", str(sweep_dir)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {r["config"]: r for r in csv.DictReader((sweep_dir / "results.csv").open())}
+    assert set(rows) == {f"debug=fast,strategy={k},trainer.max_epochs=1" for k in ("single", "ddp")}
+    for strategy in ("single", "ddp"):
+        finals = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text())["final"]
+                  for s in (1, 2)]
+        row = rows[f"debug=fast,strategy={strategy},trainer.max_epochs=1"]
+        assert int(row["n"]) == 2
+        for metric in ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec"):
+            values = [f[metric] for f in finals]
+            assert float(row[f"{metric}_mean"]) == pytest.approx(statistics.mean(values), rel=1e-9)
+            assert float(row[f"{metric}_std"]) == pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-12)
+    md = (sweep_dir / "results.md").read_text()
+    assert job("x", "single") in md and job("x", "ddp") in md  # failed jobs listed by name
+    assert (sweep_dir / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hparams_summary_is_in_each_jobs_event_file(sweep):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    sweep_dir, _ = sweep
+    job_dir = sweep_dir / job("2", "ddp")
+    acc = EventAccumulator(str(job_dir / "tb"))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["strategy"].string_value == "ddp" and start.hparams["world_size"].number_value == 2
+    final = json.loads((job_dir / "metrics.json").read_text())["final"]
+    assert acc.Scalars("hparams/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
+    assert len(list((job_dir / "tb").iterdir())) == 1  # one event file: no stray add_hparams sub-run
