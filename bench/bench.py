@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Speed benchmark: the compute ceiling of one GPU vs the full training loop (bench/README.md).
+
+The parent process plans the configurations, runs each one in a fresh
+`python bench/bench.py --one '<json>'` subprocess (no CUDA state or compile cache shared in memory),
+reads the JSON the child prints as its last stdout line, computes the ratios, prints a table and
+writes everything to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name suffix, trainer.amp, trainer.channels_last, trainer.compile
+CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
+            ("bf16-cl", True, True, False), ("bf16-cl-compile", True, True, True)]
+LOOP_STRATEGIES = [("single", 1), ("dp", 2), ("ddp", 2), ("fsdp", 2)]
+SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "1",
+         "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
+GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "workers": "8",
+       "ceilings": CEILINGS, "strategies": LOOP_STRATEGIES, "windows": (15, 7, 25)}  # warm-up, windows, steps
+
+
+# --- the parent: plan, run, compare ---------------------------------------------------------------
+
+def plan(args) -> list[dict]:
+    """Every configuration, in run order: ceilings first, then the loops."""
+    mode = SMOKE if args.smoke else GPU
+    device = "cpu" if args.smoke else "cuda"
+    warmup, windows, steps = mode["windows"]
+    configs = [{"name": f"ceiling-{tag}", "kind": "ceiling", "model": mode["model"], "device": device,
+                "batch": args.batch, "amp": amp, "channels_last": cl, "compile": comp,
+                "precision": "bf16" if amp else "fp32", "gpus": 1, "warmup": warmup, "windows": windows,
+                "steps": steps} for tag, amp, cl, comp in mode["ceilings"]]
+    data = (["data=imagefolder", f"data.root={args.data_root}"] if args.data_root else
+            ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]"])
+    data.append("data.augment=crop_flip")
+    amp = not args.smoke
+    compiles = [False] if args.smoke else {"on": [True], "off": [False], "both": [True, False]}[args.compile]
+    loaders = [("gpu", 0)] + [("classic", int(w)) for w in args.workers.split(",")]
+    for compile_ in compiles:
+        for strategy, gpus in mode["strategies"]:
+            if gpus > args.gpus:
+                continue
+            for loader, workers in loaders:
+                tag = "gpu" if loader == "gpu" else f"classic{workers}"
+                name = f"{strategy}{gpus}-{tag}" + ("" if compile_ or args.smoke else "-eager")
+                overrides = [f"model={mode['model']}", *data, f"strategy={strategy}", f"trainer.devices={gpus}",
+                             f"trainer.device={device}", f"data.batch_size={args.batch * gpus}",
+                             f"data.loader={loader}", f"data.num_workers={workers}",
+                             f"trainer.max_epochs={args.epochs}", f"trainer.amp={str(amp).lower()}",
+                             "trainer.amp_dtype=bf16", f"trainer.channels_last={str(amp).lower()}",
+                             f"trainer.compile={str(compile_).lower()}", "trainer.progress_bar=false"]
+                if args.steps:
+                    overrides.append(f"trainer.limit_train_batches={args.steps}")
+                configs.append({"name": name, "kind": "loop", "strategy": strategy, "gpus": gpus, "loader": tag,
+                                "compile": compile_, "precision": "bf16" if amp else "fp32",
+                                "overrides": overrides})
+    return configs
+
+
+def run_child(config: dict, timeout: float) -> dict:
+    """One configuration in a fresh interpreter (its own session, so a timeout ends its ranks too)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\ntimed out after {timeout:.0f} s"
+    record = {**config, "ok": False, "wall_sec": round(time.perf_counter() - start, 1)}
+    lines = out.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        result = None
+    if proc.returncode == 0 and isinstance(result, dict) and result.get("images_per_sec", 0) > 0:
+        record.update(result, ok=True)
+    else:
+        record["error"] = "\n".join((out + err).strip().splitlines()[-25:])
+    return record
+
+
+def ratios(runs: dict) -> list[dict]:
+    """vs_ceiling: loop img/s / (GPUs x best ceiling of the same precision); vs_single: N-GPU / single1."""
+    ok = {n: r for n, r in runs.items() if r["ok"]}
+    out = []
+    for name, r in ok.items():
+        if r["kind"] != "loop":
+            continue
+        same = [c for c in ok.values() if c["kind"] == "ceiling" and c["precision"] == r["precision"]]
+        if same:
+            best = max(same, key=lambda c: c["images_per_sec"])
+            out.append({"kind": "vs_ceiling", "run": name, "reference": best["name"], "gpus": r["gpus"],
+                        "value": r["images_per_sec"] / (best["images_per_sec"] * r["gpus"])})
+        single = [s for s in ok.values() if s["kind"] == "loop" and s["strategy"] == "single" and
+                  (s["loader"], s["compile"], s["precision"]) == (r["loader"], r["compile"], r["precision"])]
+        if r["gpus"] > 1 and single:
+            out.append({"kind": "vs_single", "run": name, "reference": single[0]["name"], "gpus": r["gpus"],
+                        "value": r["images_per_sec"] / single[0]["images_per_sec"]})
+    return out
+
+
+def table(report: dict) -> str:
+    runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
+    lines = [f"ddplab bench | {report['gpu_name']} x{report['gpu_count']} | torch {report['torch_version']} | "
+             f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
+             f"{'run':<26}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
+             f"{'wall s':>8}"]
+    for name, r in runs.items():
+        if not r["ok"]:
+            lines.append(f"{name:<26}  FAILED: {r['error'].strip().splitlines()[-1][:90] if r['error'] else '?'}")
+            continue
+        ceil, single = by.get(("vs_ceiling", name)), by.get(("vs_single", name))
+        wait = f"{100 * r['data_wait_fraction']:.0f}%" if "data_wait_fraction" in r else ""
+        first = f"{r['epoch_sec'][0]:.1f}" if r.get("epoch_sec") else ""
+        ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
+        lines.append(f"{name:<26}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
+                     f"{r['wall_sec']:>8.0f}")
+    refs = sorted({(x["reference"], runs[x["reference"]]["images_per_sec"]) for x in report["ratios"]
+                   if x["kind"] == "vs_ceiling"})
+    lines.append("vs ceiling = loop img/s / (GPUs x best ceiling of its precision: "
+                 + ", ".join(f"{n} {v:.0f} img/s" for n, v in refs) + ")")
+    lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision")
+    return "\n".join(lines)
+
+
+def summarize(args, runs: dict, extra: dict | None = None) -> dict:
+    first = next((r for r in runs.values() if r["ok"]), {})
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": [sys.executable, *sys.argv],
+            "gpu_name": first.get("device_name", "?"), "gpu_count": first.get("gpu_count", 0),
+            "torch_version": first.get("torch_version", "?"), "smoke": args.smoke,
+            "data": f"imagefolder {args.data_root}" if args.data_root else f"synthetic {args.samples}x3x32x32",
+            "batch_per_gpu": args.batch, **(extra or {}), "runs": runs, "ratios": ratios(runs)}
+
+
+def merge(paths: list[str]) -> tuple[dict, dict]:
+    """Runs of several --out files (later files win); their header must name the same GPU."""
+    runs, header = {}, None
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        if header and (report["gpu_name"], report["gpu_count"]) != (header["gpu_name"], header["gpu_count"]):
+            print(f"warning: {path} ran on {report['gpu_name']} x{report['gpu_count']}, "
+                  f"not {header['gpu_name']} x{header['gpu_count']}", file=sys.stderr)
+        header = header or report
+        runs.update(report["runs"])
+    return runs, {"merged_from": paths, "data": header["data"], "batch_per_gpu": header["batch_per_gpu"]}
+
+
+# --- the children: one configuration each ---------------------------------------------------------
+
+def child_ceiling(spec: dict) -> dict:
+    """Train steps on one fixed random batch already on the device: forward, CE, backward, SGD step."""
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from src.models import build_model
+    from src.optim import build_optimizer
+
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
+    model = build_model(OmegaConf.load(ROOT / "conf/model" / f"{spec['model']}.yaml"), 10, 3)
+    model = model.to(device, memory_format=fmt)
+    optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
+    forward = torch.compile(model) if spec["compile"] else model
+    x = torch.randn(spec["batch"], 3, 32, 32, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (spec["batch"],), device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
+            loss = F.cross_entropy(forward(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for _ in range(spec["warmup"]):  # compilation and cuDNN autotuning happen here
+        step()
+    sync()
+    warmup_sec, seconds = time.perf_counter() - t0, []
+    for _ in range(spec["windows"]):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(spec["steps"]):
+                step()
+            end.record()
+            end.synchronize()
+            seconds.append(begin.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(spec["steps"]):
+                step()
+            seconds.append(time.perf_counter() - t0)
+    return {"images_per_sec": spec["batch"] * spec["steps"] / statistics.median(seconds), "window_sec": seconds,
+            "warmup_sec": warmup_sec, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "gpu_count": torch.cuda.device_count(), "torch_version": torch.__version__}
+
+
+def compose(overrides: list[str], output_dir: str):
+    """The real config, composed as tests/conftest.py does, writing into output_dir."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[f"paths.root_dir={ROOT}", *overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = output_dir
+    return cfg
+
+
+def child_loop(spec: dict) -> dict:
+    """`src.launch.main(cfg)` (it spawns the ranks of ddp/fsdp) and its metrics."""
+    import torch
+
+    from src.datasets import load_data
+    from src.launch import main
+
+    with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
+        cfg = compose(spec["overrides"], out)
+        train_size = len(load_data(cfg.data).train)  # also decodes + caches an ImageFolder once
+        if spec.get("prepare"):
+            return {"images_per_sec": 1.0, "train_images": train_size}
+        if cfg.trainer.limit_train_batches is None:  # full batches only: one batch shape, no recompiles
+            cfg.trainer.limit_train_batches = train_size // cfg.data.batch_size
+        final = main(cfg)
+        metrics = json.loads((Path(out) / "metrics.json").read_text())
+    epochs = metrics["epochs"]
+    return {"images_per_sec": final["images_per_sec"], "sec_per_epoch": final["sec_per_epoch"],
+            "data_wait_fraction": final["data_wait_fraction"], "steps_per_epoch": cfg.trainer.limit_train_batches,
+            "epoch_sec": [e["epoch_sec"] for e in epochs], "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
+            "device_name": metrics["device_name"], "gpu_count": torch.cuda.device_count(),
+            "torch_version": metrics["torch_version"], "hparams": metrics["hparams"]}
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU mode for CI (tiny_cnn, fp32, no compile)")
+    p.add_argument("--only", help="comma-separated name patterns (fnmatch), e.g. 'ceiling-*,single1-*'")
+    p.add_argument("--list", action="store_true", help="print the selected configuration names and exit")
+    p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json)")
+    p.add_argument("--data-root", help="ImageFolder root (train/, test/); default synthetic CIFAR-sized data")
+    p.add_argument("--compile", choices=["on", "off", "both"], default="on", help="trainer.compile of the loops")
+    p.add_argument("--workers", help="data.num_workers of the classic loader, comma-separated (default 8; smoke 1)")
+    p.add_argument("--gpus", type=int, default=2, help="largest GPU count to run (default 2)")
+    p.add_argument("--batch", type=int, help="images per GPU per step (default 512; smoke 64)")
+    p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")
+    p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
+    p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per configuration (default 900)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        spec = json.loads(args.one)
+        result = child_ceiling(spec) if spec["kind"] == "ceiling" else child_loop(spec)
+        print(json.dumps(result), flush=True)
+        return 0
+    mode = SMOKE if args.smoke else GPU
+    for key in ("batch", "epochs", "samples", "workers"):
+        if getattr(args, key) is None:
+            setattr(args, key, mode[key])
+    out = Path(args.out or ROOT / "bench/results" / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
+    if args.merge:
+        runs, extra = merge(args.merge)
+        report = {**summarize(args, runs), **extra}
+    else:
+        patterns = args.only.split(",") if args.only else ["*"]
+        configs = [c for c in plan(args) if any(fnmatch.fnmatch(c["name"], pat) for pat in patterns)]
+        if args.list or not configs:
+            print("\n".join(c["name"] for c in configs) or f"no configuration matches --only {args.only}")
+            return 0 if configs else 2
+        loops = [c for c in configs if c["kind"] == "loop"]
+        if args.data_root and loops:  # decode the JPEGs once, before any timed run
+            prep = run_child({**loops[0], "name": "prepare-data", "prepare": True}, args.timeout)
+            print(f"data ready ({prep['wall_sec']:.0f} s)" if prep["ok"] else prep["error"], flush=True)
+        runs = {}
+        for i, config in enumerate(configs, 1):
+            r = runs[config["name"]] = run_child(config, args.timeout)
+            print(f"[{i}/{len(configs)}] {config['name']:<26} " + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"]
+                  else "FAILED") + f"  ({r['wall_sec']:.0f} s)", flush=True)
+        report = summarize(args, runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(table(report))
+    print(f"written: {out}")
+    return 0 if all(r["ok"] for r in report["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

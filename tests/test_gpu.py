@@ -1,0 +1,34 @@
+"""Runs only where CUDA is present (the GPU machine): every strategy trains and evaluates identically."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src.launch import main as launch
+from src.trainer import train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GPU = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=resnet18", "trainer.amp=true",
+       "trainer.channels_last=true", "data.batch_size=64")
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "ddp", "fsdp"])
+def test_strategy_trains_on_gpu(cfg_factory, strategy):
+    if strategy != "single" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    devices = [] if strategy == "single" else ["trainer.devices=2"]
+    metrics = launch(cfg_factory(*GPU, f"strategy={strategy}", *devices))
+    assert metrics["test_count"] == 512 and metrics["params_in_sync"] is True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
+    train(cfg_factory(*GPU, sub="t"))
+    best = f"ckpt_path={tmp_path}/t/run/checkpoints/best.pt"
+    results = {s: launch(cfg_factory(*GPU, "train=false", best, f"strategy={s}", *([] if s == "single" else
+                                                                                    ["trainer.devices=2"]), sub=s))
+               for s in ("single", "dp", "ddp", "fsdp")}
+    for s in ("dp", "ddp", "fsdp"):
+        assert results[s]["test_count"] == results["single"]["test_count"]
+        assert results[s]["test_top1"] == pytest.approx(results["single"]["test_top1"], abs=0.2)  # bf16 autocast
+        assert results[s]["test_loss"] == pytest.approx(results["single"]["test_loss"], rel=1e-2)
