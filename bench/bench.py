@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
             ("bf16-cl", True, True, False), ("bf16-cl-compile", True, True, True)]
 LOOP_STRATEGIES = [("single", 1), ("dp", 2), ("ddp", 2), ("fsdp", 2)]
-SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "1",
+SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "0",
          "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
 GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "workers": "8",
        "ceilings": CEILINGS, "strategies": LOOP_STRATEGIES, "windows": (15, 7, 25)}  # warm-up, windows, steps
@@ -45,7 +45,7 @@ def plan(args) -> list[dict]:
                 "batch": args.batch, "amp": amp, "channels_last": cl, "compile": comp,
                 "precision": "bf16" if amp else "fp32", "gpus": 1, "warmup": warmup, "windows": windows,
                 "steps": steps} for tag, amp, cl, comp in mode["ceilings"]]
-    data = (["data=imagefolder", f"data.root={args.data_root}"] if args.data_root else
+    data = (["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"] if args.data_root else
             ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]"])
     data.append("data.augment=crop_flip")
     amp = not args.smoke
@@ -119,7 +119,8 @@ def ratios(runs: dict) -> list[dict]:
 
 def table(report: dict) -> str:
     runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
-    lines = [f"ddplab bench | {report['gpu_name']} x{report['gpu_count']} | torch {report['torch_version']} | "
+    gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
+    lines = [f"ddplab bench | {gpus} | torch {report['torch_version']} | "
              f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
              f"{'run':<26}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
              f"{'wall s':>8}"]
@@ -136,7 +137,7 @@ def table(report: dict) -> str:
     refs = sorted({(x["reference"], runs[x["reference"]]["images_per_sec"]) for x in report["ratios"]
                    if x["kind"] == "vs_ceiling"})
     lines.append("vs ceiling = loop img/s / (GPUs x best ceiling of its precision: "
-                 + ", ".join(f"{n} {v:.0f} img/s" for n, v in refs) + ")")
+                 + (", ".join(f"{n} {v:.0f} img/s" for n, v in refs) or "none ran; --merge with one") + ")")
     lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision")
     return "\n".join(lines)
 
@@ -152,15 +153,16 @@ def summarize(args, runs: dict, extra: dict | None = None) -> dict:
 
 def merge(paths: list[str]) -> tuple[dict, dict]:
     """Runs of several --out files (later files win); their header must name the same GPU."""
-    runs, header = {}, None
+    runs, header, sources = {}, None, []
     for path in paths:
         report = json.loads(Path(path).read_text())
+        sources.append({"file": str(path), "command": report["command"], "date": report["date"]})
         if header and (report["gpu_name"], report["gpu_count"]) != (header["gpu_name"], header["gpu_count"]):
             print(f"warning: {path} ran on {report['gpu_name']} x{report['gpu_count']}, "
                   f"not {header['gpu_name']} x{header['gpu_count']}", file=sys.stderr)
         header = header or report
         runs.update(report["runs"])
-    return runs, {"merged_from": paths, "data": header["data"], "batch_per_gpu": header["batch_per_gpu"]}
+    return runs, {"merged_from": sources, **{k: header[k] for k in ("data", "batch_per_gpu", "smoke")}}
 
 
 # --- the children: one configuration each ---------------------------------------------------------
@@ -264,13 +266,13 @@ def main() -> int:
     p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json)")
     p.add_argument("--data-root", help="ImageFolder root (train/, test/); default synthetic CIFAR-sized data")
     p.add_argument("--compile", choices=["on", "off", "both"], default="on", help="trainer.compile of the loops")
-    p.add_argument("--workers", help="data.num_workers of the classic loader, comma-separated (default 8; smoke 1)")
+    p.add_argument("--workers", help="data.num_workers of the classic loader, comma-separated (default 8; smoke 0)")
     p.add_argument("--gpus", type=int, default=2, help="largest GPU count to run (default 2)")
     p.add_argument("--batch", type=int, help="images per GPU per step (default 512; smoke 64)")
     p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")
     p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
     p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per configuration (default 900)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -284,9 +286,15 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
     out = Path(args.out or ROOT / "bench/results" / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
+
+    def write(report: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+
     if args.merge:
         runs, extra = merge(args.merge)
         report = {**summarize(args, runs), **extra}
+        write(report)
     else:
         patterns = args.only.split(",") if args.only else ["*"]
         configs = [c for c in plan(args) if any(fnmatch.fnmatch(c["name"], pat) for pat in patterns)]
@@ -302,9 +310,8 @@ def main() -> int:
             r = runs[config["name"]] = run_child(config, args.timeout)
             print(f"[{i}/{len(configs)}] {config['name']:<26} " + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"]
                   else "FAILED") + f"  ({r['wall_sec']:.0f} s)", flush=True)
-        report = summarize(args, runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+            report = summarize(args, runs)
+            write(report)  # after every run: a killed call keeps its results
     print(table(report))
     print(f"written: {out}")
     return 0 if all(r["ok"] for r in report["runs"].values()) else 1

@@ -80,16 +80,21 @@ class DeviceLoader:
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         images, labels = self.splits["train"]
         params = draw_params(len(labels), self.seed, epoch).to(self.device)
+        if not steps:
+            return
+        # one host-to-device copy per epoch: per-batch copies of pageable memory would stall the host
+        all_ids = torch.cat([ids for step in steps for ids in step.micro]).to(self.device)
+        offset = 0
         for step in steps:
             for k, ids in enumerate(step.micro):
-                ids = ids.to(self.device, non_blocking=True)
-                yield MicroBatch(self.transform(images[ids], params[ids]), labels[ids],
+                on_device = all_ids[offset:offset + len(ids)]
+                offset += len(ids)
+                yield MicroBatch(self.transform(images[on_device], params[on_device]), labels[on_device],
                                  k == len(step.micro) - 1, step.global_count)
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
         images, labels = self.splits[split]
-        for chunk in ids.split(batch_size):
-            chunk = chunk.to(self.device)
+        for chunk in ids.to(self.device).split(batch_size):
             yield self.transform(images[chunk], None), labels[chunk]
 
 

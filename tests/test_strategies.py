@@ -84,8 +84,8 @@ def test_exact_eval_with_odd_test_set_equals_single(tmp_path, cfg_factory):
         assert ddp[key] == pytest.approx(single[key], rel=1e-6), key
 
 
-def test_checkpoint_from_ddp_loads_in_single(tmp_path, cfg_factory):
-    launch(cfg_factory("strategy=fsdp", "trainer.devices=2", sub="fsdp"))
+def test_checkpoint_from_fsdp_loads_in_single(tmp_path, cfg_factory):
+    launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "trainer.channels_last=true", sub="fsdp"))
     state = torch.load(tmp_path / "fsdp/run/checkpoints/best.pt", weights_only=False)
     assert not any(k.startswith("module.") for k in state["model"])
     evaluated = train(cfg_factory("train=false", f"ckpt_path={tmp_path}/fsdp/run/checkpoints/best.pt", sub="s"))

@@ -1,0 +1,89 @@
+"""bench/bench.py: the CPU smoke mode runs every configuration, and its ratios are the JSON's own numbers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = [sys.executable, str(ROOT / "bench" / "bench.py")]
+SMOKE_RUNS = {"ceiling-fp32", "single1-gpu", "single1-classic0", "ddp2-gpu", "ddp2-classic0"}
+SCALING = {"ddp2-gpu": "single1-gpu", "ddp2-classic0": "single1-classic0"}
+
+
+def bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_list_and_only_select_configurations():
+    proc = bench("--smoke", "--list")
+    assert proc.returncode == 0 and set(proc.stdout.split()) == SMOKE_RUNS
+    proc = bench("--list", "--only", "ceiling-*,ddp2-*", "--workers", "4,8", "--compile", "both")
+    assert proc.stdout.split() == ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl", "ceiling-bf16-cl-compile",
+                                   "ddp2-gpu", "ddp2-classic4", "ddp2-classic8",
+                                   "ddp2-gpu-eager", "ddp2-classic4-eager", "ddp2-classic8-eager"]
+    assert bench("--list", "--gpus", "1").stdout.split() == ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl",
+                                                             "ceiling-bf16-cl-compile", "single1-gpu",
+                                                             "single1-classic8"]
+    assert bench("--only", "nothing*").returncode == 2
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "b.json"
+    proc = bench("--smoke", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text()), out
+
+
+def check_ratios(report: dict) -> None:
+    runs = report["runs"]
+    ips = {name: r["images_per_sec"] for name, r in runs.items()}
+    found = {(x["kind"], x["run"]): x for x in report["ratios"]}
+    loops = [name for name, r in runs.items() if r["kind"] == "loop"]
+    assert len(found) == len(loops) + len(SCALING)
+    for name in loops:
+        x = found["vs_ceiling", name]
+        assert x["reference"] == "ceiling-fp32"  # the only (so the best) fp32 ceiling of the smoke mode
+        assert x["value"] == pytest.approx(ips[name] / (ips["ceiling-fp32"] * runs[name]["gpus"]))
+    for name, single in SCALING.items():
+        x = found["vs_single", name]
+        assert x["reference"] == single and x["value"] == pytest.approx(ips[name] / ips[single])
+
+
+@pytest.mark.slow
+def test_smoke_runs_everything_and_computes_ratios(smoke):
+    proc, report, _ = smoke
+    runs = report["runs"]
+    assert set(runs) == SMOKE_RUNS
+    for name, r in runs.items():
+        assert r["ok"] and r["images_per_sec"] > 0, (name, r.get("error"))
+    for name in SMOKE_RUNS - {"ceiling-fp32"}:
+        r = runs[name]
+        assert len(r["epoch_sec"]) == 2 and r["hparams"]["world_size"] == r["gpus"]
+        assert r["hparams"]["loader"] == ("gpu" if name.endswith("-gpu") else "classic")
+        assert r["hparams"]["per_device_batch"] == 64
+    assert runs["ceiling-fp32"]["precision"] == "fp32" and len(runs["ceiling-fp32"]["window_sec"]) >= 2
+    assert "--smoke" in report["command"] and report["torch_version"]
+    check_ratios(report)
+    tail = proc.stdout.splitlines()[-10:]  # the table is at the end of stdout
+    assert any(line.startswith("ddp2-gpu ") for line in tail) and "written:" in tail[-1]
+
+
+@pytest.mark.slow
+def test_merge_recomputes_ratios_from_split_files(smoke, tmp_path):
+    _, report, _ = smoke
+    parts = []
+    for i, keep in enumerate((lambda n: n.startswith("ddp2"), lambda n: not n.startswith("ddp2"))):
+        part = tmp_path / f"part{i}.json"
+        part.write_text(json.dumps({**report, "runs": {n: r for n, r in report["runs"].items() if keep(n)},
+                                    "ratios": []}))
+        parts.append(str(part))
+    proc = bench("--merge", *parts, "--out", str(tmp_path / "merged.json"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert set(merged["runs"]) == SMOKE_RUNS and len(merged["merged_from"]) == 2
+    check_ratios(merged)
