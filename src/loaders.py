@@ -25,14 +25,14 @@ class Step:
 
 
 def plan_epoch(n: int, global_batch: int, world: int, rank: int, accumulate: int, seed: int,
-               epoch: int) -> list[Step]:
+               epoch: int, drop_last: bool = False) -> list[Step]:
     """This rank's steps for one epoch. A short last global batch is kept (split as evenly as possible)
-    unless it has fewer samples than world_size x accumulate."""
+    unless it has fewer samples than world_size x accumulate, or drop_last is set."""
     perm = torch.randperm(n, generator=epoch_generator(seed, epoch, stream=0))
     steps = []
     for start in range(0, n, global_batch):
         batch = perm[start:start + global_batch]
-        if len(batch) < world * accumulate:
+        if len(batch) < world * accumulate or (drop_last and len(batch) < global_batch):
             break
         chunks = torch.tensor_split(batch, world * accumulate)
         steps.append(Step([chunks[k * world + rank] for k in range(accumulate)], len(batch)))
@@ -155,7 +155,9 @@ class ClassicLoader:
     def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
             self.datasets[split], batch_sampler=requests, collate_fn=_first, num_workers=self.num_workers,
-            pin_memory=self.pin, prefetch_factor=4 if self.num_workers else None)
+            pin_memory=self.pin, prefetch_factor=4 if self.num_workers else None,
+            # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
+            multiprocessing_context="fork" if self.num_workers else None)
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)

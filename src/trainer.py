@@ -138,8 +138,9 @@ class Run:
             self.writer = open_writer(self.run_dir)
 
     def _plan(self, epoch: int):
+        # with torch.compile a short last batch would trigger a recompile: drop it
         steps = plan_epoch(len(self.data.train), self.layout.global_batch, self.layout.world_size, self.env.rank,
-                           self.layout.accumulate, self.cfg.seed, epoch)
+                           self.layout.accumulate, self.cfg.seed, epoch, drop_last=self.t.compile)
         limit = self.t.limit_train_batches
         return steps[:limit] if limit else steps
 
@@ -149,7 +150,8 @@ class Run:
         limit = self.t.limit_eval_batches
         if limit:
             ids = ids[: limit * self.cfg.data.eval_batch_size]
-        return evaluate(self.model, self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
+        # the uncompiled module: evaluation's no-grad mode and odd last batch would each recompile
+        return evaluate(self.wrapped.model, self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
                         self.device, self.autocast)
 
     # --- checkpoints ------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""The `cluster/` group: check a SLURM/submitit job layout against the strategy before anything is submitted."""
+from __future__ import annotations
+
+import sys
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from src.config import ConfigError
+
+
+def check_layout(cfg: DictConfig) -> None:
+    c, strategy = cfg.cluster, cfg.strategy.name
+    nodes, tasks, gpus = c.nodes, c.tasks_per_node, c.get("gpus_per_node")
+    world = nodes * tasks
+    if not (isinstance(nodes, int) and nodes >= 1 and isinstance(tasks, int) and tasks >= 1):
+        raise ConfigError(f"cluster.nodes and cluster.tasks_per_node must be positive integers, got {nodes}, {tasks}")
+    if gpus is not None and tasks > gpus:
+        raise ConfigError(f"cluster.tasks_per_node={tasks} > cluster.gpus_per_node={gpus}: one task drives one GPU; "
+                          f"HINT: set cluster.tasks_per_node={gpus}")
+    if strategy in ("ddp", "fsdp") and world == 1:
+        raise ConfigError(f"strategy={strategy} with 1 rank (nodes=1 x tasks_per_node=1); HINT: set "
+                          f"cluster.gpus_per_node=N (one task per GPU) or use strategy=single")
+    if strategy in ("single", "dp") and world > 1:
+        raise ConfigError(f"strategy={strategy} runs one process but the job has {world} tasks "
+                          f"(nodes={nodes} x tasks_per_node={tasks}); HINT: use strategy=ddp or set "
+                          f"cluster.tasks_per_node=1 cluster.nodes=1")
+    devices = cfg.trainer.devices
+    if devices != "auto" and strategy in ("ddp", "fsdp") and devices != tasks:
+        raise ConfigError(f"trainer.devices={devices} but each node runs cluster.tasks_per_node={tasks} ranks; "
+                          f"HINT: set trainer.devices=auto")
+
+
+class ValidateCluster(Callback):
+    """Runs in the submitting process: a bad layout is one line on stderr and nothing is submitted."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            check_layout(config)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
