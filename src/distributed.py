@@ -55,7 +55,9 @@ def _export_slurm_env() -> None:
     env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
     env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
     env.setdefault("MASTER_ADDR", _slurm_master_addr(env.get("SLURM_JOB_NODELIST", "localhost")))
-    env.setdefault("MASTER_PORT", str(_port_for_job(env.get("SLURM_ARRAY_JOB_ID", env.get("SLURM_JOB_ID", "0")))))
+    # SLURM_JOB_ID, not SLURM_ARRAY_JOB_ID: each task of an array (a sweep) has its own job id, kept across
+    # requeues, while the array id is shared, so sweep points running at once on one node would collide
+    env.setdefault("MASTER_PORT", str(_port_for_job(env.get("SLURM_JOB_ID", "0"))))
 
 
 def _export_submitit_local_env() -> None:
@@ -150,9 +152,21 @@ def init_process_group(env: RankEnv, device_type: str) -> torch.device:
         device = torch.device("cpu")
     if env.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
-                                device_id=device if device_type == "cuda" else None)
+        options = {"timeout": datetime.timedelta(minutes=10), "device_id": device if device_type == "cuda" else None}
+        if env.launcher == "torchelastic":
+            options.update(store=_attempt_store(env), rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend, **options)
     return device
+
+
+def _attempt_store(env: RankEnv) -> dist.Store:
+    """The elastic agent's store, under a prefix per restart: after a worker failure the restarted group
+    must not read the dead group's addresses (seen: gloo 'connectFullMesh ... Connection refused')."""
+    e = os.environ
+    agent_hosts = e.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(e["MASTER_ADDR"], int(e["MASTER_PORT"]), env.world_size,
+                          is_master=not agent_hosts and env.rank == 0, timeout=datetime.timedelta(minutes=10))
+    return dist.PrefixStore(f"ddplab/attempt_{e.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def destroy_process_group() -> None:

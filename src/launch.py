@@ -35,6 +35,12 @@ def main(cfg: DictConfig) -> dict:
                           "run `python train.py -m ...` without torchrun (ranks are started per job)")
     layout = plan_layout(cfg, env.world_size if env.external else None,
                          env.local_world_size if env.external else None)
+    if cfg.strategy.name == "fsdp":  # can FSDP shard this model? (built on the meta device: no memory, no time)
+        import torch
+        from src.models import build_model
+        from src.strategies import shard_targets
+        with torch.device("meta"):
+            shard_targets(build_model(cfg.model, num_classes=10, in_channels=3), cfg.strategy.shard_modules)
     if cfg.train and cfg.trainer.resume not in (None, "none", "auto"):
         from src.checkpoint import load
         load(cfg.trainer.resume)  # unreadable or foreign file: fail before any process starts

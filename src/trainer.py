@@ -20,7 +20,7 @@ from tqdm import tqdm
 from src import checkpoint as ckpt
 from src.config import Layout, plan_layout
 from src.datasets import load_data
-from src.distributed import (RankEnv, agree, all_reduce, destroy_process_group, init_process_group,
+from src.distributed import (RankEnv, all_reduce, destroy_process_group, init_process_group,
                              rank_env, reduce_max)
 from src.evaluate import evaluate, topk_correct
 from src.loaders import build_loader, eval_shard, plan_epoch
@@ -63,7 +63,10 @@ class _StopRequest:
 
     def hand_over(self) -> None:
         """After our checkpoint: let the previous handler act (submitit requeues), else exit."""
-        prev = self.previous.get(self.signum)
+        previous, self.previous = self.previous, {}   # exiting: nothing to restore
+        for sig in previous:   # a late copy of the signal (srun delivers to each task in turn) must not act twice
+            signal.signal(sig, signal.SIG_IGN)
+        prev = previous.get(self.signum)
         if callable(prev):
             prev(self.signum, self.frame)
         raise SystemExit(128 + int(self.signum))
@@ -206,7 +209,7 @@ class Run:
         first_step = self.start[1] if epoch == self.start[0] else 0
         # loss sum, top-1 hits, samples: kept on the device (no host sync per step), reduced once per epoch
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if first_step and self.resumed_totals is not None:
+        if first_step and self.resumed_totals is not None and self.primary:  # the sum over ranks, counted once
             totals += self.resumed_totals.to(self.device)
         samples = 0
         world = self.layout.world_size
@@ -239,6 +242,7 @@ class Run:
             bar.update(1)
             if self._stop_requested(stop, step_index):
                 totals[2] += samples
+                all_reduce(totals)  # the checkpoint (rank 0's) holds every rank's partial sums
                 self._save("last.pt", self._state((epoch, step_index), totals))
                 if self.primary:
                     log.warning("signal %s: saved checkpoints/last.pt at epoch %d step %d; exiting",
@@ -261,7 +265,14 @@ class Run:
         because it waits for the device; a single process just reads its flag."""
         if self.layout.world_size == 1:
             return stop.signum is not None
-        return step_index % self.signal_check_every == 0 and agree(stop.signum is not None, self.device)
+        if step_index % self.signal_check_every:
+            return False
+        # agree on the signal itself: a rank may act on one that only another rank has caught so far
+        # (rank 0 must still hand it to submitit, which requeues from global rank 0 only)
+        signum = int(reduce_max(float(stop.signum or 0), self.device))
+        if signum and stop.signum is None:
+            stop.signum = signum
+        return signum > 0
 
     def _optimizer_step(self) -> None:
         if self.t.grad_clip:

@@ -292,3 +292,11 @@ def test_bad_resume_checkpoints(tmp_path, cfg_factory):
         train(mismatched)
     with pytest.raises(ConfigError, match="would overwrite it"):
         train(cfg_factory("trainer.resume=none", sub="a"))
+
+
+def test_two_runs_started_together_never_share_a_directory(tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), "debug=fast", "trainer.max_epochs=1", f"paths.log_dir={tmp_path}"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    runs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
+    assert len(runs) == 2 and all((r / "metrics.json").is_file() for r in runs)

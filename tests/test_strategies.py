@@ -161,3 +161,16 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
                    f"paths.root_dir={tmp_path}", command=_torchrun("--nproc_per_node=2"))
     assert proc.returncode != 0
     assert "would run the whole sweep in every rank" in proc.stdout + proc.stderr
+
+
+def test_fsdp_with_unshardable_model_fails_before_any_process(cfg_factory):
+    from src.config import ConfigError
+
+    with pytest.raises(ConfigError, match="matches no module of the model"):
+        launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=[Transformer]"))
+
+
+def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, cfg_factory, tmp_path):
+    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "strategy.comm_hook=fp16"))
+    assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt",
+                        rtol=1e-2, atol=1e-3)
