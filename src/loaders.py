@@ -138,6 +138,19 @@ def _first(batch):
     return batch
 
 
+class _Requests:
+    """The batch sampler of a persistent DataLoader: the main process refills it before each pass."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+
+
 class ClassicLoader:
     """torch DataLoader with worker processes, pinned memory and prefetching."""
 
@@ -151,13 +164,20 @@ class ClassicLoader:
                              else _FileBatches(getattr(data, k), cpu)) for k in ("train", "val", "test")}
         self.num_workers = num_workers
         self.pin = device.type == "cuda"
+        self.requests = {k: _Requests() for k in self.datasets}
+        self.loaders: dict[str, torch.utils.data.DataLoader] = {}
 
     def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(
-            self.datasets[split], batch_sampler=requests, collate_fn=_first, num_workers=self.num_workers,
-            pin_memory=self.pin, prefetch_factor=4 if self.num_workers else None,
-            # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
-            multiprocessing_context="fork" if self.num_workers else None)
+        """One DataLoader per split, its workers kept alive between epochs (persistent_workers)."""
+        self.requests[split].items = requests
+        if split not in self.loaders:
+            workers = self.num_workers
+            self.loaders[split] = torch.utils.data.DataLoader(
+                self.datasets[split], batch_sampler=self.requests[split], collate_fn=_first, num_workers=workers,
+                pin_memory=self.pin, prefetch_factor=4 if workers else None, persistent_workers=workers > 0,
+                # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
+                multiprocessing_context="fork" if workers else None)
+        return self.loaders[split]
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)
