@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.slurm   # fixtures slurm_cluster / slurm_env come from 
 CPU_CLUSTER = ("cluster.gpus_per_node=null", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
                "cluster.timeout_min=5", "cluster.partition=debug", "trainer.device=cpu")
 FAST = ("debug=fast",)
-# long enough (16 epochs x 39 steps, ~0.35 s per epoch on 2 cores) to be signalled mid-training
-LONG = ("debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=16", "data.batch_size=32",
+# long enough (12 epochs x 39 steps, ~0.35 s per epoch on 2 cores) to be signalled mid-training
+LONG = ("debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=12", "data.batch_size=32",
         "trainer.deterministic=true")
 FINAL_KEYS = ("test_loss", "test_top1", "test_top5", "best_val_top1")
 
@@ -73,41 +74,70 @@ def _assert_one_writer(job_dir: Path, ranks: int, attempts: int = 1) -> None:
         assert (job_dir / name).read_text().count("Exiting after successful completion") == 1, name
 
 
+class _LocalDDP:
+    """The reference: the same job run locally with 2 processes (torch's elastic launcher), once per args.
+
+    `start(*args)` runs it in the background (while a SLURM job waits for scheduling, say); calling the
+    object waits for the result.
+    """
+
+    def __init__(self, tmp_path_factory):
+        self.tmp, self.pool, self.futures = tmp_path_factory, ThreadPoolExecutor(max_workers=2), {}
+
+    def _run(self, run_dir: Path, args: tuple) -> dict:
+        proc = run_cli("strategy=ddp", "trainer.devices=2", *args, f"hydra.run.dir={run_dir}", timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return read_metrics(run_dir)
+
+    def start(self, *args: str) -> Future:
+        if args not in self.futures:
+            self.futures[args] = self.pool.submit(self._run, self.tmp.mktemp("local_ddp") / "run", args)
+        return self.futures[args]
+
+    def __call__(self, *args: str) -> dict:
+        return self.start(*args).result(timeout=300)
+
+
 @pytest.fixture(scope="module")
 def local_ddp(tmp_path_factory):
-    """The reference: the same job run locally with 2 processes (torch's elastic launcher). Cached per args."""
-    cache: dict[tuple, dict] = {}
-
-    def run(*args: str) -> dict:
-        if args not in cache:
-            run_dir = tmp_path_factory.mktemp("local_ddp") / "run"
-            proc = run_cli("strategy=ddp", "trainer.devices=2", *args, f"hydra.run.dir={run_dir}", timeout=240)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[args] = read_metrics(run_dir)
-        return cache[args]
-
-    return run
+    reference = _LocalDDP(tmp_path_factory)
+    yield reference
+    reference.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --- 5. refused before submission -----------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, message", [
-    (("strategy=single",), "strategy=single runs one process but the job has 8 tasks"),
-    (("cluster.gpus_per_node=2", "cluster.tasks_per_node=4"), "cluster.tasks_per_node=4 > cluster.gpus_per_node=2"),
-], ids=["single-with-8-tasks", "4-tasks-on-2-gpus"])
-def test_bad_layout_is_refused_before_submission(tmp_path, overrides, message):
-    sweep = tmp_path / "sweep"
-    proc = run_cli("cluster=slurm", *overrides, f"hydra.sweep.dir={sweep}", timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert message in lines[0] and "HINT" in lines[0], lines
-    assert not (sweep / ".submitit").exists() and not sweep.exists()
+BAD_LAYOUTS = {  # overrides -> the start of the one-line error
+    ("strategy=single",): "strategy=single runs one process but the job has 8 tasks",
+    ("cluster.gpus_per_node=2", "cluster.tasks_per_node=4"): "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
+}
+
+
+def test_bad_layouts_are_refused_before_submission(tmp_path):
+    procs = {}
+    for i, overrides in enumerate(BAD_LAYOUTS):   # both at once: each is mostly Python start-up
+        sweep = tmp_path / f"sweep{i}"
+        procs[overrides] = sweep, subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), "cluster=slurm", *overrides, f"hydra.sweep.dir={sweep}"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for overrides, (sweep, proc) in procs.items():
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (overrides, err[-2000:])
+        assert BAD_LAYOUTS[overrides] in lines[0] and "HINT" in lines[0], lines
+        assert not (sweep / ".submitit").exists() and not sweep.exists()   # nothing submitted
 
 
 # --- 1. the multi-task code path without SLURM ------------------------------------------------------
 
 @pytest.mark.slow
 def test_submitit_local_two_tasks_equal_local_ddp(tmp_path, local_ddp):
+    local_ddp.start(*FAST)
     sweep = tmp_path / "sweep"
     proc = run_cli("cluster=local_tasks", *FAST, f"hydra.sweep.dir={sweep}", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,6 +200,7 @@ def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_pa
     cmd = [sys.executable, str(ROOT / "train.py"), "cluster=slurm_2nodes", *CPU_CLUSTER, *LONG,
            f"hydra.sweep.dir={sweep}"]
     job = None
+    local_ddp.start(*LONG)   # the uninterrupted reference, meanwhile
     with submit_log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
