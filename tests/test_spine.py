@@ -100,7 +100,7 @@ def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
 
 
 def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
-    args = ["debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=6", "trainer.deterministic=true",
+    args = ["debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=4", "trainer.deterministic=true",
             "data.batch_size=32"]
     straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
     assert straight.returncode == 0, straight.stderr[-2000:]
