@@ -1,10 +1,12 @@
 """The `cluster/` group: check a SLURM/submitit job layout against the strategy before anything is submitted."""
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
 
@@ -12,9 +14,17 @@ from src.config import ConfigError
 def check_layout(cfg: DictConfig) -> None:
     c, strategy = cfg.cluster, cfg.strategy.name
     nodes, tasks, gpus = c.nodes, c.tasks_per_node, c.get("gpus_per_node")
-    world = nodes * tasks
     if not (isinstance(nodes, int) and nodes >= 1 and isinstance(tasks, int) and tasks >= 1):
-        raise ConfigError(f"cluster.nodes and cluster.tasks_per_node must be positive integers, got {nodes}, {tasks}")
+        hint = ("cluster.tasks_per_node follows cluster.gpus_per_node=null: on a CPU-only partition set "
+                "cluster.tasks_per_node=N (ranks per node)" if tasks is None and gpus is None
+                else "set positive integers")
+        raise ConfigError(f"cluster.nodes and cluster.tasks_per_node must be positive integers, got {nodes}, {tasks}; "
+                          f"HINT: {hint}")
+    world = nodes * tasks
+    launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    if launcher.endswith(".LocalLauncher") and nodes != 1:
+        raise ConfigError(f"cluster.nodes={nodes} with submitit's local executor, which runs every task on this "
+                          f"machine; HINT: set cluster.nodes=1 (or use cluster=slurm_2nodes on a SLURM cluster)")
     if gpus is not None and tasks > gpus:
         raise ConfigError(f"cluster.tasks_per_node={tasks} > cluster.gpus_per_node={gpus}: one task drives one GPU; "
                           f"HINT: set cluster.tasks_per_node={gpus}")
@@ -40,3 +50,10 @@ class ValidateCluster(Callback):
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
+        # The jobs unpickle our task function (`python -m submitit.core._submit` in the submit directory):
+        # from any other directory they need the code on their path. sbatch and submitit_local pass our
+        # environment on.
+        code = str(Path(__file__).resolve().parents[1])
+        path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if code not in path:
+            os.environ["PYTHONPATH"] = os.pathsep.join([code, *path])

@@ -4,7 +4,7 @@
 - a real 2-node x 1-task DDP job on the test cluster (tests/slurm_cluster.py) equals the same local run;
 - a seed sweep becomes one job per seed, each with its metrics.json;
 - SIGUSR2 (submitit's preemption/time-out signal) checkpoints mid-epoch, requeues, and the job resumes to
-  the result of an uninterrupted run;
+  the result of an uninterrupted run, also when only rank 1 got the signal;
 - bad layouts are refused before anything is submitted.
 
 docs/slurm.md has the user commands and the measured timings. Every wait here is bounded.
@@ -108,17 +108,19 @@ def local_ddp(tmp_path_factory):
 # --- 5. refused before submission -----------------------------------------------------------------
 
 BAD_LAYOUTS = {  # overrides -> the start of the one-line error
-    ("strategy=single",): "strategy=single runs one process but the job has 8 tasks",
-    ("cluster.gpus_per_node=2", "cluster.tasks_per_node=4"): "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
+    ("cluster=slurm", "strategy=single"): "strategy=single runs one process but the job has 8 tasks",
+    ("cluster=slurm", "cluster.gpus_per_node=2", "cluster.tasks_per_node=4"):
+        "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
+    ("cluster=local_tasks", "cluster.nodes=2"): "cluster.nodes=2 with submitit's local executor",
 }
 
 
 def test_bad_layouts_are_refused_before_submission(tmp_path):
     procs = {}
-    for i, overrides in enumerate(BAD_LAYOUTS):   # both at once: each is mostly Python start-up
+    for i, overrides in enumerate(BAD_LAYOUTS):   # all at once: each is mostly Python start-up
         sweep = tmp_path / f"sweep{i}"
         procs[overrides] = sweep, subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), "cluster=slurm", *overrides, f"hydra.sweep.dir={sweep}"],
+            [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.sweep.dir={sweep}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for overrides, (sweep, proc) in procs.items():
         try:
@@ -173,9 +175,10 @@ def test_two_node_job_equals_local_ddp(slurm_env, tmp_path, local_ddp):
 
 @pytest.mark.slow
 def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run_cli("cluster=slurm_2nodes", *CPU_CLUSTER, *FAST, "seed=1,2", f"hydra.sweep.dir={sweep}", timeout=240)
+    # as a user would: from a directory of theirs (not the repo), default sweep dir <cwd>/multirun/<date>/<time>
+    proc = run_cli("cluster=slurm_2nodes", *CPU_CLUSTER, *FAST, "seed=1,2", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [sweep] = list((tmp_path / "multirun").glob("*/*"))
     jobs = _job_ids(sweep)
     assert len(jobs) == 2 and all("_" in j for j in jobs), jobs     # one array, one task per sweep point
     for job in jobs:
@@ -193,8 +196,26 @@ def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
 
 # --- 4. preemption / time-out: SIGUSR2 -> checkpoint -> requeue -> resume ---------------------------
 
-@pytest.mark.slow
-def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_path, local_ddp):
+def _task_pids(job: str, rank: int) -> list[int]:
+    """PIDs of SLURM task `rank` of `job` running submitit's worker (all nodes are on this host)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env
+                and b"submitit.core._submit" in cmdline):
+            pids.append(int(entry))
+    return pids
+
+
+def _interrupt_and_resume(slurm_env, tmp_path: Path, local_ddp, send_signal) -> str:
+    """Submit the LONG job, `send_signal(job)` once epoch 1 is saved, let the requeued job run; check that it
+    resumed to the uninterrupted result. Returns rank 0's train.log."""
     sweep = tmp_path / "sweep"
     submit_log = tmp_path / "submit.log"
     cmd = [sys.executable, str(ROOT / "train.py"), "cluster=slurm_2nodes", *CPU_CLUSTER, *LONG,
@@ -210,7 +231,7 @@ def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_pa
                     "checkpoints/last.pt of epoch 1", every=0.05)
         assert proc.poll() is None, submit_log.read_text()[-3000:]
         [job] = _job_ids(sweep)
-        slurm_env.run("scancel", "--signal=USR2", job)   # what SLURM sends signal_delay_s before the time limit
+        send_signal(job)
         # submitit requeued it (`scontrol requeue`); SLURM holds a requeued job for AuthInfo's cred_expire
         # (120 s by default) before it may start again: the test lets it start at once
         _wait_until(lambda: slurm_env.squeue(job).get(job) == "PENDING", 60, f"job {job} requeued (PENDING)")
@@ -237,3 +258,25 @@ def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_pa
     assert [r["train_loss"] for r in got["epochs"]] == pytest.approx([r["train_loss"] for r in want["epochs"]],
                                                                       rel=1e-6)
     _assert_one_writer(job_dir, ranks=2, attempts=2)   # the requeued start opened a second event file
+    return log
+
+
+@pytest.mark.slow
+def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_path, local_ddp):
+    # what SLURM sends every task signal_delay_s before the time limit (sbatch --signal=USR2@120)
+    _interrupt_and_resume(slurm_env, tmp_path, local_ddp,
+                          lambda job: slurm_env.run("scancel", "--signal=USR2", job))
+
+
+@pytest.mark.slow
+def test_usr2_on_rank_1_only_still_requeues_from_rank_0(slurm_env, tmp_path, local_ddp):
+    """srun delivers the signal task by task: rank 0 (the one submitit requeues from) may not have it yet
+    when the ranks agree to stop. Here it never gets it."""
+    def signal_rank_1(job: str) -> None:
+        pids = _task_pids(job, rank=1)
+        assert pids, f"no process of task 1 of job {job}"
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR2)
+
+    log = _interrupt_and_resume(slurm_env, tmp_path, local_ddp, signal_rank_1)
+    assert "Caught signal SIGUSR2 on" in log   # rank 0 handed the agreed signal to submitit's handler
