@@ -188,16 +188,3 @@ def all_reduce(values: torch.Tensor, op=None) -> torch.Tensor:
 def reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     return all_reduce(t, dist.ReduceOp.MAX).item()
-
-
-def agree(flag: bool, device: torch.device) -> bool:
-    """True on every rank when any rank says True."""
-    return reduce_max(float(flag), device) > 0
-
-
-def broadcast_object(obj, src: int = 0):
-    if not is_distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
