@@ -88,5 +88,7 @@ def spawn(cfg: DictConfig, nproc: int) -> dict:
         rank, failure = exc.get_first_failure()
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
         last = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+        if last.startswith("ConfigError: "):  # a bad input found inside the ranks: still one line
+            raise ConfigError(last.removeprefix("ConfigError: ")) from None
         raise RuntimeError(f"rank {rank} failed: {last} (its log: {cfg.paths.output_dir})") from None
     return results[0]

@@ -174,3 +174,12 @@ def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, c
     launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "strategy.comm_hook=fp16"))
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt",
                         rtol=1e-2, atol=1e-3)
+
+
+def test_bad_input_found_inside_the_ranks_is_still_a_config_error(tmp_path, cfg_factory):
+    from src.config import ConfigError
+
+    train(cfg_factory(sub="a"))
+    with pytest.raises(ConfigError, match="does not match this model"):
+        launch(cfg_factory("strategy=ddp", "trainer.devices=2", "model.width=8",
+                           f"trainer.resume={tmp_path}/a/run/checkpoints/last.pt", sub="b"))
