@@ -1,13 +1,10 @@
 """`train(cfg) -> metrics`: the training loop every strategy and launcher shares."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
-import subprocess
 import time
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src import checkpoint as ckpt
-from src.config import Layout, plan_layout
+from src import results
+from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
 from src.distributed import (RankEnv, all_reduce, destroy_process_group, init_process_group,
                              rank_env, reduce_max)
@@ -27,6 +25,7 @@ from src.loaders import build_loader, eval_shard, plan_epoch
 from src.models import build_model
 from src.optim import build_optimizer
 from src.strategies import Wrapped, full_state, load_full_state, replicas_agree, wrap
+from src.tb import open_writer, write_hparams
 
 log = logging.getLogger("ddplab")
 
@@ -76,25 +75,6 @@ class _StopRequest:
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _finite(obj):
-    """NaN (e.g. no validation split) becomes null: metrics.json stays strict JSON."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 class Run:
     def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
         self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
@@ -137,7 +117,6 @@ class Run:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
         self.writer = None
         if self.primary:
-            from src.tb import open_writer
             self.writer = open_writer(self.run_dir)
 
     def _plan(self, epoch: int):
@@ -163,7 +142,6 @@ class Run:
         last = self.ckpt_dir / "last.pt"
         if resume in (None, "none"):
             if last.exists():
-                from src.config import ConfigError
                 raise ConfigError(f"{self.run_dir} already holds a run (checkpoints/last.pt) and trainer.resume=none "
                                   f"would overwrite it; use trainer.resume=auto or a new run directory")
             return None
@@ -321,15 +299,6 @@ class Run:
         finally:
             stop.restore()
 
-    def _summary(self) -> dict:
-        rows = self.history[1:] if len(self.history) > 1 else self.history
-        if not rows:
-            return {}
-        seconds = sum(r["epoch_sec"] for r in rows)
-        return {"sec_per_epoch": seconds / len(rows),
-                "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
-                "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
-
     def execute(self) -> dict:
         self._build()
         self.start, self.resumed_totals = (0, 0), None
@@ -354,7 +323,6 @@ class Run:
             status = "completed"
         else:
             if not self.cfg.ckpt_path:
-                from src.config import ConfigError
                 raise ConfigError("train=false needs ckpt_path=<checkpoint file> to evaluate")
             state = self._load_weights(self.cfg.ckpt_path, with_optimizer=False)
             self.history, self.best_epoch = state.get("history", []), state.get("best_epoch", 0)
@@ -365,41 +333,16 @@ class Run:
         final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
                  "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
                  "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.best_epoch,
-                 **self._summary(), **in_sync}
+                 **results.summarize(self.history), **in_sync}
         if self.primary:
             self._report(final, status)
         return final
 
-    def hparams(self) -> dict:
-        c, l = self.cfg, self.layout
-        target = c.model.get("_target_", "")
-        return {"strategy": l.strategy, "world_size": l.world_size * l.devices_per_process,
-                "global_batch": l.global_batch, "per_device_batch": l.per_device_batch, "amp": self.t.amp,
-                "amp_dtype": self.t.amp_dtype, "sync_bn": bool(c.strategy.sync_bn),
-                "accumulate_grad_batches": l.accumulate, "model": c.model.get("name", target.rsplit(".", 1)[-1]),
-                "data": c.data.name, "seed": c.seed, "lr": c.optim.lr, "loader": self.loader.name,
-                "compile": self.t.compile, "channels_last": self.t.channels_last}
-
     def _report(self, final: dict, status: str) -> None:
-        from src.tb import write_hparams
-
-        log.info("test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
-                 "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
-                 final["test_loss"], final["test_top1"], final["test_top5"], final["test_count"],
-                 final["best_epoch"], final.get("sec_per_epoch", float("nan")),
-                 final.get("images_per_sec", float("nan")), 100 * final.get("data_wait_fraction", 0.0),
-                 final["params_in_sync"], final["bn_buffers_in_sync"])
+        hparams = results.hparams(self.cfg, self.layout, self.loader.name)
+        results.log_final(final)
         for key in ("test_loss", "test_top1", "test_top5"):
             self.writer.add_scalar(f"test/{key[5:]}", final[key], len(self.history))
-        write_hparams(self.writer, self.hparams(), final)
+        write_hparams(self.writer, hparams, final)
         self.writer.close()
-        overrides_file = self.run_dir / ".hydra" / "overrides.yaml"
-        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        metrics = {"status": status, "final": final, "epochs": self.history, "hparams": self.hparams(),
-                   "overrides": overrides, "config": OmegaConf.to_container(self.cfg, resolve=True),
-                   "torch_version": torch.__version__, "device_name": device_name, "git_commit": _git_commit()}
-        tmp = self.run_dir / ".metrics.json.tmp"
-        tmp.write_text(json.dumps(_finite(metrics), indent=2, default=str))
-        tmp.replace(self.run_dir / "metrics.json")
-        log.info("outputs: %s (metrics.json, checkpoints/, tb/)", self.run_dir)
+        results.write_metrics(self.run_dir, self.cfg, status, final, self.history, hparams, self.device)

@@ -1,7 +1,6 @@
 """The spine on one process: CLI, default run, exact metrics, checkpoints, resume, data, bad input."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from src.datasets import load_data
 from src.launch import main as launch
 from src.models import build_model
 from src.trainer import train
-from tests.conftest import CIFAR_JPEG_ZIP, ROOT, make_cfg, read_metrics, run_cli, weights
+from tests.conftest import CIFAR_JPEG_ZIP, ROOT, read_metrics, run_cli, weights
 
 
 def test_cli_trains_and_writes_run_dir(tmp_path):
