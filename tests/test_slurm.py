@@ -135,6 +135,15 @@ def test_bad_layouts_are_refused_before_submission(tmp_path):
         assert not (sweep / ".submitit").exists() and not sweep.exists()   # nothing submitted
 
 
+def _assert_job_equals_local_ddp(sweep, local_ddp):
+    """The sweep's one job completed on 2 ranks, matches the local 2-process run, and rank 0 alone wrote."""
+    [job_dir] = _job_dirs(sweep)
+    metrics = read_metrics(job_dir)
+    assert metrics["status"] == "completed" and metrics["hparams"]["world_size"] == 2
+    _assert_same_final(metrics, local_ddp(*FAST))
+    _assert_one_writer(job_dir, ranks=2)
+
+
 # --- 1. the multi-task code path without SLURM ------------------------------------------------------
 
 @pytest.mark.slow
@@ -143,11 +152,7 @@ def test_submitit_local_two_tasks_equal_local_ddp(tmp_path, local_ddp):
     sweep = tmp_path / "sweep"
     proc = run_cli("cluster=local_tasks", *FAST, f"hydra.sweep.dir={sweep}", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [job_dir] = _job_dirs(sweep)
-    metrics = read_metrics(job_dir)
-    assert metrics["status"] == "completed" and metrics["hparams"]["world_size"] == 2
-    _assert_same_final(metrics, local_ddp(*FAST))
-    _assert_one_writer(job_dir, ranks=2)
+    _assert_job_equals_local_ddp(sweep, local_ddp)
 
 
 # --- 2. a real 2-node job -------------------------------------------------------------------------
@@ -164,11 +169,7 @@ def test_two_node_job_equals_local_ddp(slurm_env, tmp_path, local_ddp):
     logs = sweep / ".submitit" / job
     for rank in (0, 1):   # each task's submitit log: <sweep>/.submitit/<job>/<job>_<task>_log.out
         assert f"node={rank}(2), global_rank={rank}(2)" in (logs / f"{job}_{rank}_log.out").read_text()
-    [job_dir] = _job_dirs(sweep)
-    metrics = read_metrics(job_dir)
-    assert metrics["status"] == "completed" and metrics["hparams"]["world_size"] == 2
-    _assert_same_final(metrics, local_ddp(*FAST))
-    _assert_one_writer(job_dir, ranks=2)
+    _assert_job_equals_local_ddp(sweep, local_ddp)
 
 
 # --- 3. a seed sweep ------------------------------------------------------------------------------
