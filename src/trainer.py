@@ -287,7 +287,7 @@ class Run:
                     row.update(test_loss=test["loss"], test_top1=test["top1"], test_top5=test["top5"])
                 self.history.append(row)
                 # without a validation split the latest weights count as the best
-                is_best = row.get("val_top1", math.inf) > self.best_val_top1 or not len(self.data.val)
+                is_best = not len(self.data.val) or row["val_top1"] > self.best_val_top1
                 if is_best:
                     self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), epoch + 1
                 state = self._state((epoch + 1, 0), None)

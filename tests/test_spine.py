@@ -223,6 +223,7 @@ def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
     ranks = [plan_epoch(103, 20, 2, r, 2, seed=1, epoch=0) for r in range(2)]
     assert [s.global_count for s in single] == [20] * 5 + [3]  # the short last batch is kept (3 >= 1 x 1)
     assert len(ranks[0]) == 5  # ... but not with 2 ranks x 2 micro-steps: 3 < 4 samples
+    assert len(plan_epoch(103, 20, 1, 0, 1, seed=1, epoch=0, drop_last=True)) == 5  # compile: full batches only
     for s, (r0, r1) in enumerate(zip(*ranks)):
         union = torch.cat([*r0.micro, *r1.micro])
         assert sorted(union.tolist()) == sorted(single[s].micro[0].tolist())
@@ -299,3 +300,13 @@ def test_two_runs_started_together_never_share_a_directory(tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     runs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
     assert len(runs) == 2 and all((r / "metrics.json").is_file() for r in runs)
+
+
+def test_no_validation_split_keeps_the_last_epoch_and_tracks_test_every_epoch(tmp_path, cfg_factory):
+    metrics = train(cfg_factory("data.val_fraction=0", "trainer.test_every_epoch=true", "trainer.max_epochs=3"))
+    saved = read_metrics(tmp_path / "run")
+    assert metrics["best_epoch"] == 3 and saved["final"]["val_top1"] is None  # strict JSON: NaN -> null
+    assert [r["epoch"] for r in saved["epochs"] if "test_top1" in r] == [1, 2, 3]
+    assert saved["epochs"][-1]["test_top1"] == pytest.approx(metrics["test_top1"])
+    totals = [r["train_sec_total"] for r in saved["epochs"]]
+    assert totals == sorted(totals) and totals[-1] == pytest.approx(sum(r["epoch_sec"] for r in saved["epochs"]))
