@@ -57,6 +57,8 @@ def check_types(cfg: DictConfig) -> None:
     _expect(isinstance(vf, (int, float)) and 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
     _expect(isinstance(cfg.seed, int), f"seed must be an integer, got {cfg.seed!r}")
     _expect(cfg.strategy.name in STRATEGIES, f"strategy.name must be one of {STRATEGIES}, got {cfg.strategy.name!r}")
+    hook = cfg.strategy.get("comm_hook")
+    _expect(hook in (None, "none", "fp16", "bf16"), f"strategy.comm_hook must be none, fp16 or bf16, got {hook!r}")
     _expect(cfg.data.get("loader", "auto") in ("auto", "classic", "gpu"),
             f"data.loader must be auto, classic or gpu, got {cfg.data.loader!r}")
 

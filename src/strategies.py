@@ -85,8 +85,6 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
         if cfg.get("comm_hook") in ("fp16", "bf16"):  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.comm_hook}_compress_hook"))
-        elif cfg.get("comm_hook") not in (None, "none"):
-            raise ConfigError(f"strategy.comm_hook={cfg.comm_hook!r} is unknown; use none, fp16 or bf16")
         return Wrapped(ddp, model, name)
     if name == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
