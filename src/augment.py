@@ -16,12 +16,19 @@ def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + stream)
 
 
-def draw_params(n: int, seed: int, epoch: int, pad: int = CROP_PAD) -> torch.Tensor:
-    """int64 N x 3: crop offset y, crop offset x, flip (0/1) for every sample of the epoch."""
+def draw_params(n: int, seed: int, epoch: int, pad: int = CROP_PAD,
+                cutout_within: tuple[int, int] | None = None) -> torch.Tensor:
+    """int64 N x 3: crop offset y, crop offset x, flip (0/1) for every sample of the epoch;
+    N x 5 with `cutout_within=(H, W)`: then also the cutout centre y, x (own stream: crop/flip unchanged)."""
     g = epoch_generator(seed, epoch, stream=1)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n, 1), generator=g)
-    return torch.cat([offsets, flips], dim=1)
+    parts = [offsets, flips]
+    if cutout_within:
+        g = epoch_generator(seed, epoch, stream=2)
+        parts += [torch.randint(0, cutout_within[0], (n, 1), generator=g),
+                  torch.randint(0, cutout_within[1], (n, 1), generator=g)]
+    return torch.cat(parts, dim=1)
 
 
 def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD) -> torch.Tensor:
@@ -36,7 +43,18 @@ def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD) -
     return out.permute(0, 3, 1, 2)
 
 
-def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """uint8 -> float32 normalized, optionally in channels_last memory format."""
-    x = images.float().div_(255).sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
+def cutout(x: torch.Tensor, centres: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero a size x size square (clipped at the border) around each sample's centre (y, x), in place.
+    On normalized images zero is the dataset mean."""
+    _, _, h, w = x.shape
+    top, left = centres[:, 0:1] - size // 2, centres[:, 1:2] - size // 2
+    rows = torch.arange(h, device=x.device)
+    cols = torch.arange(w, device=x.device)
+    in_rows = (rows >= top) & (rows < top + size)                             # B x H
+    in_cols = (cols >= left) & (cols < left + size)                           # B x W
+    return x.masked_fill_((in_rows[:, :, None] & in_cols[:, None, :])[:, None], 0.0)
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 normalized (a new tensor)."""
+    return images.float().div_(255).sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))

@@ -37,7 +37,8 @@ def check_types(cfg: DictConfig) -> None:
     t = cfg.trainer
     _expect(isinstance(t.max_epochs, int) and t.max_epochs >= 1,
             f"trainer.max_epochs must be a positive integer, got {t.max_epochs!r}")
-    for key in ("amp", "channels_last", "compile", "deterministic", "progress_bar", "test_every_epoch"):
+    for key in ("amp", "channels_last", "compile", "deterministic", "progress_bar", "test_every_epoch",
+                "flip_tta"):
         _expect(isinstance(t[key], bool), f"trainer.{key} must be true or false, got {t[key]!r}")
     _expect(isinstance(cfg.train, bool), f"train must be true or false, got {cfg.train!r}")
     _expect(t.amp_dtype in ("bf16", "fp16"), f"trainer.amp_dtype must be bf16 or fp16, got {t.amp_dtype!r}")
@@ -53,12 +54,20 @@ def check_types(cfg: DictConfig) -> None:
         v = cfg.data[key]
         _expect(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 f"data.{key} must be a positive integer, got {v!r}")
+    cut = cfg.data.get("cutout", 0)
+    _expect(isinstance(cut, int) and not isinstance(cut, bool) and cut >= 0,
+            f"data.cutout must be a side length in pixels (0 = off), got {cut!r}")
     vf = cfg.data.get("val_fraction", 0.0)
     _expect(isinstance(vf, (int, float)) and 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
     _expect(isinstance(cfg.seed, int), f"seed must be an integer, got {cfg.seed!r}")
     _expect(cfg.strategy.name in STRATEGIES, f"strategy.name must be one of {STRATEGIES}, got {cfg.strategy.name!r}")
     hook = cfg.strategy.get("comm_hook")
     _expect(hook in (None, "none", "fp16", "bf16"), f"strategy.comm_hook must be none, fp16 or bf16, got {hook!r}")
+    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    _expect(t.get("compile_mode", "default") in modes,
+            f"trainer.compile_mode must be one of {', '.join(modes)}, got {t.get('compile_mode')!r}")
+    scope = cfg.strategy.get("compile_scope", "module")
+    _expect(scope in ("module", "wrapper"), f"strategy.compile_scope must be module or wrapper, got {scope!r}")
     _expect(cfg.data.get("loader", "auto") in ("auto", "classic", "gpu"),
             f"data.loader must be auto, classic or gpu, got {cfg.data.loader!r}")
 

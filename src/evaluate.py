@@ -16,14 +16,17 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> list[
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, autocast) -> dict[str, float]:
-    """Loss, top-1 and top-5 (percent) of `model` over the batches of every rank together."""
+def evaluate(model, batches, device: torch.device, autocast, flip_tta: bool = False) -> dict[str, float]:
+    """Loss, top-1 and top-5 (percent) of `model` over the batches of every rank together.
+    flip_tta: score each image by the mean of the logits of the image and its mirror image."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, count
     count = 0
     for x, y in batches:
         with autocast():
             logits = model(x)
+            if flip_tta:
+                logits = (logits.float() + model(x.flip(3)).float()) / 2
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
         top1, top5 = topk_correct(logits, y)
         totals[1] += top1

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from src.augment import draw_params, crop_flip, epoch_generator, normalize
+from src.augment import crop_flip, cutout, draw_params, epoch_generator, normalize
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 
@@ -52,18 +52,31 @@ class MicroBatch:
 
 
 class _Transform:
-    """uint8 sample ids -> normalized float batch; shared by both loaders."""
+    """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
-    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device):
+    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0):
         self.mean = torch.tensor(data.mean, device=device)
         self.std = torch.tensor(data.std, device=device)
         self.augment = data.augment == "crop_flip"
+        if cutout and not self.augment:
+            raise ConfigError(f"data.cutout={cutout} needs the crop_flip augmentation, but this data uses "
+                              f"{data.augment!r}; set data.cutout=0")
+        self.cutout = cutout
+        self.image_size = tuple(data.image_size)
         self.channels_last = channels_last
 
+    def draw(self, n: int, seed: int, epoch: int) -> torch.Tensor:
+        """The random choices of one epoch for samples 0..n-1 (indexed by sample id)."""
+        return draw_params(n, seed, epoch, cutout_within=self.image_size if self.cutout else None)
+
     def __call__(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
-        if params is not None and self.augment:
-            images = crop_flip(images, params)
-        return normalize(images, self.mean, self.std, self.channels_last)
+        augment = params is not None and self.augment
+        if augment:
+            images = crop_flip(images, params[:, :3])
+        x = normalize(images, self.mean, self.std)
+        if augment and self.cutout:
+            x = cutout(x, params[:, 3:5], self.cutout)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x.contiguous()
 
 
 class DeviceLoader:
@@ -71,15 +84,15 @@ class DeviceLoader:
 
     name = "gpu"
 
-    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int):
+    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int, cutout: int = 0):
         self.device, self.seed = device, seed
         self.splits = {k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
                        for k in ("train", "val", "test")}
-        self.transform = _Transform(data, channels_last, device)
+        self.transform = _Transform(data, channels_last, device, cutout)
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         images, labels = self.splits["train"]
-        params = draw_params(len(labels), self.seed, epoch).to(self.device)
+        params = self.transform.draw(len(labels), self.seed, epoch).to(self.device)
         if not steps:
             return
         # one host-to-device copy per epoch: per-batch copies of pageable memory would stall the host
@@ -113,7 +126,7 @@ class _MemoryBatches(torch.utils.data.Dataset):
         params = None
         if epoch is not None:
             if self._params[0] != epoch:
-                self._params = (epoch, draw_params(len(self.split), self.seed, epoch))
+                self._params = (epoch, self.transform.draw(len(self.split), self.seed, epoch))
             params = self._params[1][ids]
         return self.transform(self.split.images[ids], params), self.split.labels[ids]
 
@@ -156,9 +169,10 @@ class ClassicLoader:
 
     name = "classic"
 
-    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, num_workers: int, seed: int):
+    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, num_workers: int, seed: int,
+                 cutout: int = 0):
         self.device = device
-        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"))
+        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout)
         self.channels_last = channels_last
         self.datasets = {k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory
                              else _FileBatches(getattr(data, k), cpu)) for k in ("train", "val", "test")}
@@ -207,5 +221,5 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
         if not data.in_memory:
             raise ConfigError("data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
                               "or raise data.max_memory_gb")
-        return DeviceLoader(data, device, channels_last, seed)
-    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed)
+        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0))
+    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0))

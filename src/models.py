@@ -17,6 +17,36 @@ def cifar_resnet18(num_classes: int, in_channels: int = 3) -> nn.Module:
     return model
 
 
+def _conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
+    layers = [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.MaxPool2d(2)) if pool else nn.Sequential(*layers)
+
+
+class ResNet9(nn.Module):
+    """The 9-layer residual net of the DAWNBench CIFAR-10 entries: three conv stages that halve the
+    resolution with max-pooling, residual pairs after the first and last, a max-pooled linear head
+    whose logits are scaled down (keeps the early softmax soft at high learning rates)."""
+
+    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 64, logit_scale: float = 0.125):
+        super().__init__()
+        w = width
+        self.prep = _conv_bn(in_channels, w)
+        self.layer1 = _conv_bn(w, 2 * w, pool=True)
+        self.res1 = nn.Sequential(_conv_bn(2 * w, 2 * w), _conv_bn(2 * w, 2 * w))
+        self.layer2 = _conv_bn(2 * w, 4 * w, pool=True)
+        self.layer3 = _conv_bn(4 * w, 8 * w, pool=True)
+        self.res3 = nn.Sequential(_conv_bn(8 * w, 8 * w), _conv_bn(8 * w, 8 * w))
+        self.head = nn.Linear(8 * w, num_classes, bias=False)
+        self.logit_scale = logit_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer1(self.prep(x))
+        x = x + self.res1(x)
+        x = self.layer3(self.layer2(x))
+        x = x + self.res3(x)
+        return self.head(x.amax(dim=(2, 3))) * self.logit_scale
+
+
 def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3) -> nn.Module:
     import torchvision
 

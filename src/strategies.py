@@ -1,7 +1,8 @@
 """The `strategy/` group: single, dp (nn.DataParallel), ddp (DistributedDataParallel), fsdp (FSDP2).
 
-`wrap` returns the module to call in the training loop; the bare module (`core`) keeps the
-parameter names without `module.` prefixes, so a checkpoint from any strategy loads in any other.
+`wrap` returns the module to call in the training loop (compiled with trainer.compile); the bare
+module (`core`) keeps the parameter names without `module.` prefixes, so a checkpoint from any
+strategy loads in any other.
 """
 from __future__ import annotations
 
@@ -19,19 +20,31 @@ from src.config import ConfigError
 
 @dataclass
 class Wrapped:
-    model: nn.Module   # call this in forward/backward
-    core: nn.Module    # parameters / state dicts
+    model: nn.Module     # call this in forward/backward (compiled when trainer.compile)
+    core: nn.Module      # parameters / state dicts
     name: str
+    wrapper: nn.Module   # the strategy's own wrapper (DDP, DataParallel) or core
 
     def sync_context(self, boundary: bool):
         """Skip the gradient all-reduce on micro-steps that are not the last of an optimizer step."""
         if boundary:
             return contextlib.nullcontext()
         if self.name == "ddp":
-            return self.model.no_sync()
+            return self.wrapper.no_sync()
         if self.name == "fsdp":
             return _fsdp_no_sync(self.core)
         return contextlib.nullcontext()
+
+    def eval_module(self) -> nn.Module:
+        """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile).
+        DDP's rule holds for evaluation too: every rank uses rank 0's buffers (BatchNorm running stats)."""
+        if self.name == "dp":
+            return self.wrapper
+        if self.name == "ddp" and self.wrapper.broadcast_buffers and dist.is_initialized():
+            with torch.no_grad():
+                for buffer in self.core.buffers():
+                    dist.broadcast(buffer, src=0)
+        return self.core
 
 
 @contextlib.contextmanager
@@ -66,26 +79,31 @@ def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
 
 
 def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torch.dtype,
-         devices_per_process: int = 1) -> Wrapped:
+         devices_per_process: int = 1, compile: bool = False, compile_mode: str = "default") -> Wrapped:
     name = cfg.name
+    compiled = (lambda m: torch.compile(m, mode=compile_mode)) if compile else (lambda m: m)
     if name == "single":
-        return Wrapped(model, model, name)
+        return Wrapped(compiled(model), model, name, model)
     if name == "dp":
-        return Wrapped(nn.DataParallel(model, device_ids=list(range(devices_per_process))), model, name)
+        dp = nn.DataParallel(model, device_ids=list(range(devices_per_process)))
+        return Wrapped(compiled(dp), model, name, dp)
     if name == "ddp":
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # compile_scope=module: DDP wraps the compiled model (one graph; DDP's hooks stay outside it);
+        # wrapper: compile the DDP wrapper (DDPOptimizer cuts the graph at gradient-bucket boundaries)
+        inner = compiled(model) if cfg.get("compile_scope", "module") == "module" else model
         with warnings.catch_warnings():  # newer torch renames broadcast_buffers; keep the name 2.11 knows
             warnings.simplefilter("ignore", FutureWarning)
             ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None,
+                inner, device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
                 static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
                 broadcast_buffers=cfg.broadcast_buffers)
         if cfg.get("comm_hook") in ("fp16", "bf16"):  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.comm_hook}_compress_hook"))
-        return Wrapped(ddp, model, name)
+        return Wrapped(ddp if inner is not model else compiled(ddp), model, name, ddp)
     if name == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,7 +112,7 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
         for sub in shard_targets(model, cfg.shard_modules):
             fully_shard(sub, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-        return Wrapped(model, model, name)
+        return Wrapped(compiled(model), model, name, model)
     raise ConfigError(f"strategy.name={name!r} is unknown; use single, dp, ddp or fsdp")
 
 

@@ -105,8 +105,11 @@ class Run:
         if t.channels_last and cfg.strategy.name != "fsdp":  # FSDP2 cannot shard non-contiguous weights;
             model = model.to(memory_format=torch.channels_last)  # its inputs stay channels_last
         self.wrapped: Wrapped = wrap(model, cfg.strategy, self.device, t.amp, self.amp_dtype,
-                                     self.layout.devices_per_process)
-        self.model = torch.compile(self.wrapped.model) if t.compile else self.wrapped.model
+                                     self.layout.devices_per_process, compile=t.compile,
+                                     compile_mode=t.get("compile_mode", "default"))
+        self.model = self.wrapped.model
+        # CUDA graphs (compile_mode reduce-overhead) reuse their output memory: mark where a step begins
+        self.cudagraphs = t.compile and t.get("compile_mode", "default") == "reduce-overhead"
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed)
         fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
         self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)
@@ -132,9 +135,8 @@ class Run:
         limit = self.t.limit_eval_batches
         if limit:
             ids = ids[: limit * self.cfg.data.eval_batch_size]
-        # the uncompiled module: evaluation's no-grad mode and odd last batch would each recompile
-        return evaluate(self.wrapped.model, self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
-                        self.device, self.autocast)
+        return evaluate(self.wrapped.eval_module(), self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
+                        self.device, self.autocast, flip_tta=self.t.flip_tta)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
@@ -203,6 +205,8 @@ class Run:
             wait += time.perf_counter() - t0
             if micro is None:
                 break
+            if self.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with self.wrapped.sync_context(micro.boundary), self.autocast():
                 logits = self.model(micro.x)
                 loss_sum = F.cross_entropy(logits.float(), micro.y, reduction="sum",

@@ -32,3 +32,15 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
         assert results[s]["test_count"] == results["single"]["test_count"]
         assert results[s]["test_top1"] == pytest.approx(results["single"]["test_top1"], abs=0.2)  # bf16 autocast
         assert results[s]["test_loss"] == pytest.approx(results["single"]["test_loss"], rel=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("scope", ["module", "wrapper"])
+def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope):
+    tiny = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=tiny_cnn", "data.batch_size=64",
+            "trainer.compile=true", "trainer.amp=false")
+    single = launch(cfg_factory(*tiny, sub="single"))
+    ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", f"strategy.compile_scope={scope}", sub=scope))
+    assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
+    assert ddp["test_count"] == single["test_count"] == 512
+    assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=2e-3)  # fp32: only summation order differs

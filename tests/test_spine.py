@@ -52,8 +52,9 @@ def test_default_run_reaches_95_percent_on_digits(tmp_path):
     assert metrics["test_top1"] >= 95.0
 
 
-def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory):
-    cfg = cfg_factory("data.eval_batch_size=7")  # 360 test images: 51 full batches and a tail of 3
+@pytest.mark.parametrize("flip_tta", [False, True])
+def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory, flip_tta):
+    cfg = cfg_factory("data.eval_batch_size=7", f"trainer.flip_tta={str(flip_tta).lower()}")  # 51 batches + 3
     metrics = train(cfg)
     data = load_data(cfg.data)
     model = build_model(cfg.model, data.num_classes, data.channels)
@@ -61,7 +62,11 @@ def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory):
     model.eval()
     mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
     with torch.no_grad():
-        logits = model((data.test.images.float() / 255 - mean) / std)
+        x = (data.test.images.float() / 255 - mean) / std
+        logits = model(x)
+        if flip_tta:  # one image at a time, mirrored by explicit column indexing
+            mirrored = torch.stack([img[:, :, list(range(img.shape[-1] - 1, -1, -1))] for img in x])
+            logits = (logits + model(mirrored)) / 2
     y = data.test.labels
     assert metrics["test_count"] == len(y) == 360
     assert metrics["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
@@ -202,18 +207,39 @@ def test_crop_flip_matches_a_per_image_reference():
         assert torch.equal(got, ref.flip(-1) if flip else ref)
 
 
-def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory):
+def test_cutout_matches_a_per_image_reference():
+    from src.augment import cutout, draw_params
+
+    x = torch.randn(6, 3, 9, 10)
+    centres = torch.tensor([[0, 0], [8, 9], [4, 5], [1, 8], [7, 2], [4, 0]])
+    out = cutout(x.clone(), centres, size=4)
+    for img, (cy, cx), got in zip(x, centres.tolist(), out):
+        ref = img.clone()
+        for r in range(9):
+            for c in range(10):
+                if cy - 2 <= r < cy + 2 and cx - 2 <= c < cx + 2:
+                    ref[:, r, c] = 0
+        assert torch.equal(got, ref)
+    with_cutout, plain = draw_params(50, 1, 2, cutout_within=(9, 10)), draw_params(50, 1, 2)
+    assert torch.equal(with_cutout[:, :3], plain)  # cutout draws from its own stream: crops/flips unchanged
+    assert with_cutout[:, 3].max() == 8 and with_cutout[:, 4].max() == 9 and with_cutout[:, 3:].min() == 0
+
+
+@pytest.mark.parametrize("cut", [0, 5])
+def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
     from src.loaders import ClassicLoader, DeviceLoader, plan_epoch
 
     cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
     data = load_data(cfg.data)
     steps = plan_epoch(len(data.train), 16, 1, 0, 2, seed=3, epoch=1)
     cpu = torch.device("cpu")
-    a = list(DeviceLoader(data, cpu, False, seed=3).train_batches(steps, 1))
-    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3).train_batches(steps, 1))
+    a = list(DeviceLoader(data, cpu, False, seed=3, cutout=cut).train_batches(steps, 1))
+    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut).train_batches(steps, 1))
     assert len(a) == len(b) == 2 * len(steps)
     for x, y in zip(a, b):
         assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.boundary == y.boundary
+    zeros = sum(int((x.x == 0).all(dim=1).sum()) for x in a)  # pixels zero in every channel
+    assert zeros > 0 if cut else zeros == 0
 
 
 def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
@@ -258,6 +284,8 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("data.batch_size=10", "trainer.accumulate_grad_batches=3"), "not divisible"),
         (("trainer.amp=yes",), "trainer.amp must be true or false"),
         (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be none, fp16"),
+        (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
+        (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
     if torch.cuda.is_available():
@@ -272,6 +300,11 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
 
 
 def test_data_errors(tmp_path, cfg_factory):
+    from src.loaders import build_loader
+
+    cfg = cfg_factory("data.cutout=4")  # digits: no crop_flip augmentation to cut out of
+    with pytest.raises(ConfigError, match="data.cutout=4 needs the crop_flip augmentation"):
+        build_loader(load_data(cfg.data), cfg.data, torch.device("cpu"), False, 0)
     with pytest.raises(ConfigError, match="does not exist"):
         load_data(cfg_factory("data=imagefolder", f"data.root={tmp_path}/missing").data)
     (tmp_path / "flat/train").mkdir(parents=True)

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Where does DDP lose time? Train steps on a fixed on-device batch, one process per GPU.
+
+    torchrun --nproc-per-node 1 bench/ddp_probe.py            # the one-GPU references
+    torchrun --nproc-per-node 2 bench/ddp_probe.py            # DDP variants on two GPUs
+
+Each mode builds ResNet-18 (CIFAR stem), bf16 autocast, channels_last, fused SGD, 512 images per GPU,
+warms up (compilation, cuDNN tuning), then times windows of steps with CUDA events; the slowest
+rank's window counts. Also times a plain NCCL all-reduce of ResNet-18's gradient size.
+Prints one JSON line per mode from rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from src.models import cifar_resnet18  # noqa: E402
+
+MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo optimize_ddp)
+    "eager": (False, None, None, 25, True),
+    "compile-module-cudagraphs": ("reduce-overhead", "module", None, 25, True),
+    "compile-module": (True, "module", None, 25, True),
+    "compile-wrapper": (True, "wrapper", None, 25, True),
+    "compile-wrapper-nosplit": (True, "wrapper", None, 25, False),
+    "compile-module-bf16hook": (True, "module", "bf16", 25, True),
+    "compile-module-bucket100": (True, "module", None, 100, True),
+    "eager-bf16hook": (False, None, "bf16", 25, True),
+}
+
+
+def build(mode: str, device: torch.device, world: int):
+    compile_, scope, hook, bucket, optimize_ddp = MODES[mode]
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch.manual_seed(0)
+    model = cifar_resnet18(10).to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
+    compiled = (lambda m: torch.compile(m, mode=None if compile_ is True else compile_)) if compile_ else None
+    if world == 1:
+        return (compiled(model) if compile_ else model), opt
+    inner = compiled(model) if compile_ and scope == "module" else model
+    ddp = DDP(inner, device_ids=[device.index], bucket_cap_mb=bucket, gradient_as_bucket_view=True)
+    if hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+    return (compiled(ddp) if compile_ and scope == "wrapper" else ddp), opt
+
+
+def time_steps(model, opt, x, y, warmup: int, windows: int, steps: int) -> float:
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the previous step's outputs are dead
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / 1000], device=x.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def allreduce_bandwidth(device: torch.device, numel: int, dtype: torch.dtype, iters: int = 30) -> dict:
+    buf = torch.ones(numel, dtype=dtype, device=device)
+    for _ in range(5):
+        dist.all_reduce(buf)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dist.all_reduce(buf)
+    end.record()
+    end.synchronize()
+    sec = start.elapsed_time(end) / 1000 / iters
+    n = dist.get_world_size()
+    size = numel * buf.element_size()
+    return {"bytes": size, "ms": round(sec * 1000, 3), "bus_GBps": round(size / sec * 2 * (n - 1) / n / 1e9, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--windows", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--tag", default="", help="a label for this process group's lines")
+    args = parser.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.backends.cudnn.benchmark = True
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(args.batch, 3, 32, 32, device=device, generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (args.batch,), device=device, generator=g)
+    info = {"tag": args.tag, "gpus": world, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if world > 1:
+        params = sum(p.numel() for p in cifar_resnet18(10).parameters())
+        for dtype in (torch.float32, torch.bfloat16):
+            r = allreduce_bandwidth(device, params, dtype)
+            if rank == 0:
+                print(json.dumps({**info, "mode": f"allreduce-{str(dtype)[6:]}", **r}), flush=True)
+    for mode in args.modes.split(","):
+        if world == 1 and MODES[mode][1] == "wrapper" or world == 1 and MODES[mode][2]:
+            continue  # DDP-only variants
+        model, opt = build(mode, device, world)
+        sec = time_steps(model, opt, x, y, args.warmup, args.windows, args.steps)
+        if rank == 0:
+            print(json.dumps({**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
+                              "step_ms": round(sec / args.steps * 1000, 2)}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
