@@ -24,9 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name suffix, trainer.amp, trainer.channels_last, trainer.compile
+# name suffix, trainer.amp, trainer.channels_last, torch.compile mode (False: no compile)
 CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
-            ("bf16-cl", True, True, False), ("bf16-cl-compile", True, True, True)]
+            ("bf16-cl", True, True, False), ("bf16-cl-compile", True, True, "default"),
+            ("bf16-cl-cudagraphs", True, True, "reduce-overhead")]
+# compile mode of the loops: CUDA graphs where the strategy allows them (not DataParallel's threads, not FSDP)
+LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
 LOOP_STRATEGIES = [("single", 1), ("dp", 2), ("ddp", 2), ("fsdp", 2)]
 SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "0",
          "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
@@ -42,7 +45,7 @@ def plan(args) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
     warmup, windows, steps = mode["windows"]
     configs = [{"name": f"ceiling-{tag}", "kind": "ceiling", "model": mode["model"], "device": device,
-                "batch": args.batch, "amp": amp, "channels_last": cl, "compile": comp,
+                "batch": args.batch, "amp": amp, "channels_last": cl, "compile": bool(comp), "compile_mode": comp,
                 "precision": "bf16" if amp else "fp32", "gpus": 1, "warmup": warmup, "windows": windows,
                 "steps": steps} for tag, amp, cl, comp in mode["ceilings"]]
     data = (["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"] if args.data_root else
@@ -63,11 +66,13 @@ def plan(args) -> list[dict]:
                              f"data.loader={loader}", f"data.num_workers={workers}",
                              f"trainer.max_epochs={args.epochs}", f"trainer.amp={str(amp).lower()}",
                              "trainer.amp_dtype=bf16", f"trainer.channels_last={str(amp).lower()}",
-                             f"trainer.compile={str(compile_).lower()}", "trainer.progress_bar=false"]
+                             f"trainer.compile={str(compile_).lower()}", "trainer.progress_bar=false",
+                             f"trainer.compile_mode={LOOP_COMPILE_MODE[strategy]}"]
                 if args.steps:
                     overrides.append(f"trainer.limit_train_batches={args.steps}")
                 configs.append({"name": name, "kind": "loop", "strategy": strategy, "gpus": gpus, "loader": tag,
                                 "compile": compile_, "precision": "bf16" if amp else "fp32",
+                                "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
                                 "overrides": overrides})
     return configs
 
@@ -184,12 +189,14 @@ def child_ceiling(spec: dict) -> dict:
     model = build_model(OmegaConf.load(ROOT / "conf/model" / f"{spec['model']}.yaml"), 10, 3)
     model = model.to(device, memory_format=fmt)
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
-    forward = torch.compile(model) if spec["compile"] else model
+    forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
     x = torch.randn(spec["batch"], 3, 32, 32, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (spec["batch"],), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
+        if spec["compile"]:
+            torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: the last step's outputs are dead
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
             loss = F.cross_entropy(forward(x).float(), y)
         loss.backward()

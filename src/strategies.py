@@ -35,16 +35,18 @@ class Wrapped:
             return _fsdp_no_sync(self.core)
         return contextlib.nullcontext()
 
-    def eval_module(self) -> nn.Module:
-        """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile).
-        DDP's rule holds for evaluation too: every rank uses rank 0's buffers (BatchNorm running stats)."""
-        if self.name == "dp":
-            return self.wrapper
+    def sync_buffers(self) -> None:
+        """What DDP does before each forward (with broadcast_buffers): every rank takes rank 0's buffers
+        (BatchNorm running stats). Done before evaluating and before checking that the replicas agree."""
         if self.name == "ddp" and self.wrapper.broadcast_buffers and dist.is_initialized():
             with torch.no_grad():
                 for buffer in self.core.buffers():
                     dist.broadcast(buffer, src=0)
-        return self.core
+
+    def eval_module(self) -> nn.Module:
+        """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile)."""
+        self.sync_buffers()
+        return self.wrapper if self.name == "dp" else self.core
 
 
 @contextlib.contextmanager

@@ -197,6 +197,8 @@ class Run:
         bar = tqdm(total=len(steps), initial=first_step, desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
                    leave=False, dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
         wait, step_index = 0.0, first_step
+        if torch.distributed.is_initialized():  # start the clocks together (rank 0 may still be saving a checkpoint)
+            torch.distributed.barrier()
         start = time.perf_counter()
         batches = self.loader.train_batches(steps[first_step:], epoch)
         while True:
@@ -318,6 +320,7 @@ class Run:
                 self._restore(path)
             self._fit()
             # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
+            self.wrapped.sync_buffers()
             in_sync = replicas_agree(self.wrapped.core, self.device)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()

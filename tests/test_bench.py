@@ -22,12 +22,11 @@ def test_list_and_only_select_configurations():
     proc = bench("--smoke", "--list")
     assert proc.returncode == 0 and set(proc.stdout.split()) == SMOKE_RUNS
     proc = bench("--list", "--only", "ceiling-*,ddp2-*", "--workers", "4,8", "--compile", "both")
-    assert proc.stdout.split() == ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl", "ceiling-bf16-cl-compile",
-                                   "ddp2-gpu", "ddp2-classic4", "ddp2-classic8",
+    ceilings = ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl", "ceiling-bf16-cl-compile",
+                "ceiling-bf16-cl-cudagraphs"]
+    assert proc.stdout.split() == [*ceilings, "ddp2-gpu", "ddp2-classic4", "ddp2-classic8",
                                    "ddp2-gpu-eager", "ddp2-classic4-eager", "ddp2-classic8-eager"]
-    assert bench("--list", "--gpus", "1").stdout.split() == ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl",
-                                                             "ceiling-bf16-cl-compile", "single1-gpu",
-                                                             "single1-classic8"]
+    assert bench("--list", "--gpus", "1").stdout.split() == [*ceilings, "single1-gpu", "single1-classic8"]
     assert bench("--only", "nothing*").returncode == 2
 
 
