@@ -105,6 +105,9 @@ class DeviceLoader:
                 yield MicroBatch(self.transform(images[on_device], params[on_device]), labels[on_device],
                                  k == len(step.micro) - 1, step.global_count)
 
+    def close(self) -> None:
+        self.splits = {}
+
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
         images, labels = self.splits[split]
         for chunk in ids.to(self.device).split(batch_size):
@@ -192,6 +195,15 @@ class ClassicLoader:
                 # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
                 multiprocessing_context="fork" if workers else None)
         return self.loaders[split]
+
+    def close(self) -> None:
+        """Stop the persistent workers now, not at interpreter exit (seen: a run with CUDA graphs whose
+        process did not exit while they were alive)."""
+        for loader in self.loaders.values():
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+        self.loaders.clear()
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)

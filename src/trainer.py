@@ -36,9 +36,11 @@ def train(cfg: DictConfig) -> dict:
     layout = plan_layout(cfg, env.world_size if env.external else None,
                          env.local_world_size if env.external else None)
     device = init_process_group(env, layout.device_type)
+    run = Run(cfg, env, layout, device)
     try:
-        return Run(cfg, env, layout, device).execute()
+        return run.execute()
     finally:
+        run.close()
         destroy_process_group()
 
 
@@ -88,6 +90,10 @@ class Run:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
         self.autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=self.t.amp)
+
+    def close(self) -> None:
+        if getattr(self, "loader", None) is not None:
+            self.loader.close()
 
     # --- set-up ---------------------------------------------------------------------------------
     def _build(self) -> None:

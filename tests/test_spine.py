@@ -242,6 +242,15 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
     assert zeros > 0 if cut else zeros == 0
 
 
+def test_classic_loader_workers_are_gone_when_train_returns(cfg_factory):
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    metrics = train(cfg_factory("data.loader=classic", "data.num_workers=2"))
+    assert metrics["test_count"] == 360
+    assert set(multiprocessing.active_children()) - before == set()
+
+
 def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
     from src.loaders import plan_epoch
 
