@@ -66,6 +66,9 @@ def check_types(cfg: DictConfig) -> None:
     modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
     _expect(t.get("compile_mode", "default") in modes,
             f"trainer.compile_mode must be one of {', '.join(modes)}, got {t.get('compile_mode')!r}")
+    _expect(t.get("compile_mode", "default") != "reduce-overhead" or cfg.strategy.name in ("single", "ddp"),
+            f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or ddp, not "
+            f"{cfg.strategy.name}; use trainer.compile_mode=default")
     scope = cfg.strategy.get("compile_scope", "module")
     _expect(scope in ("module", "wrapper"), f"strategy.compile_scope must be module or wrapper, got {scope!r}")
     _expect(cfg.data.get("loader", "auto") in ("auto", "classic", "gpu"),

@@ -185,6 +185,18 @@ def test_imagefolder_on_cifar10_jpeg_subset(tmp_path, cfg_factory):
     assert metrics["test_count"] == len(data.test) > 100
 
 
+def test_resnet9_shape_and_size():
+    from omegaconf import OmegaConf
+
+    model = build_model(OmegaConf.load(ROOT / "conf/model/resnet9.yaml"), num_classes=10, in_channels=3)
+    w = 64  # conv weights 3x3 (no bias) + BatchNorm weight and bias per conv, bias-free linear head
+    convs = [(3, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 8 * w), (8 * w, 8 * w),
+             (8 * w, 8 * w)]
+    expected = sum(9 * cin * cout + 2 * cout for cin, cout in convs) + 8 * w * 10
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
 def test_synthetic_data_has_configured_shape(cfg_factory):
     data = load_data(cfg_factory("data=synthetic", "data.shape=[3,16,16]", "data.num_classes=7").data)
     assert data.train.images.shape[1:] == (3, 16, 16) and data.num_classes == 7
@@ -294,6 +306,9 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("trainer.amp=yes",), "trainer.amp must be true or false"),
         (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be none, fp16"),
         (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
+        (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
+        (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
+         "works with strategy=single or ddp, not fsdp"),
         (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
