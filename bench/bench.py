@@ -30,7 +30,8 @@ CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
             ("bf16-cl-cudagraphs", True, True, "reduce-overhead")]
 # compile mode of the loops: CUDA graphs where the strategy allows them (not DataParallel's threads, not FSDP)
 LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
-LOOP_STRATEGIES = [("single", 1), ("dp", 2), ("ddp", 2), ("fsdp", 2)]
+# every multi-GPU strategy at 2, 4 and 8 GPUs, up to --gpus
+LOOP_STRATEGIES = [("single", 1)] + [(s, g) for g in (2, 4, 8) for s in ("dp", "ddp", "fsdp")]
 SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "0",
          "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
 GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "workers": "8",
@@ -143,7 +144,8 @@ def table(report: dict) -> str:
                    if x["kind"] == "vs_ceiling"})
     lines.append("vs ceiling = loop img/s / (GPUs x best ceiling of its precision: "
                  + (", ".join(f"{n} {v:.0f} img/s" for n, v in refs) or "none ran; --merge with one") + ")")
-    lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision")
+    lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision "
+                 "(scaling efficiency = vs 1 GPU / N)")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ def test_list_and_only_select_configurations():
     assert proc.stdout.split() == [*ceilings, "ddp2-gpu", "ddp2-classic4", "ddp2-classic8",
                                    "ddp2-gpu-eager", "ddp2-classic4-eager", "ddp2-classic8-eager"]
     assert bench("--list", "--gpus", "1").stdout.split() == [*ceilings, "single1-gpu", "single1-classic8"]
+    assert bench("--list", "--gpus", "8", "--only", "ddp*-gpu").stdout.split() == ["ddp2-gpu", "ddp4-gpu", "ddp8-gpu"]
     assert bench("--only", "nothing*").returncode == 2
 
 
