@@ -22,9 +22,8 @@ from omegaconf import open_dict
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import src  # noqa: E402,F401  (registers the resolvers)
-from src.config import plan_layout  # noqa: E402
-from src.distributed import destroy_process_group, init_process_group, rank_env  # noqa: E402
-from src.trainer import Run, _StopRequest  # noqa: E402
+from src.distributed import destroy_process_group  # noqa: E402
+from src.trainer import _StopRequest, prepare_run  # noqa: E402
 
 
 def main():
@@ -38,11 +37,7 @@ def main():
     with open_dict(cfg):
         cfg.paths.output_dir = tempfile.mkdtemp(prefix="ddplab-profile-")
         cfg.trainer.max_epochs = max(cfg.trainer.max_epochs, 2)
-    env = rank_env()
-    layout = plan_layout(cfg, env.world_size if env.external else None,
-                         env.local_world_size if env.external else None)
-    device = init_process_group(env, layout.device_type)
-    run = Run(cfg, env, layout, device)
+    run = prepare_run(cfg)
     run._build()
     run.start, run.resumed_totals = (0, 0), None
     stop = _StopRequest(elastic=True)
@@ -53,7 +48,7 @@ def main():
         second = run._train_epoch(1, stop)
         wall = time.perf_counter() - start
     stop.restore()
-    if env.is_primary:
+    if run.primary:
         events = prof.key_averages()
         kernels = sum(e.self_device_time_total for e in events) / 1e6
         print(f"epoch 1: {first['images_per_sec']:.0f} img/s | epoch 2 (profiled): {second['images_per_sec']:.0f} img/s,"

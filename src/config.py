@@ -63,10 +63,9 @@ def check_types(cfg: DictConfig) -> None:
     _expect(cfg.strategy.name in STRATEGIES, f"strategy.name must be one of {STRATEGIES}, got {cfg.strategy.name!r}")
     hook = cfg.strategy.get("comm_hook")
     _expect(hook in (None, "none", "fp16", "bf16"), f"strategy.comm_hook must be none, fp16 or bf16, got {hook!r}")
-    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-    _expect(t.get("compile_mode", "default") in modes,
-            f"trainer.compile_mode must be one of {', '.join(modes)}, got {t.get('compile_mode')!r}")
-    _expect(t.get("compile_mode", "default") != "reduce-overhead" or cfg.strategy.name in ("single", "ddp"),
+    modes, mode = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), t.compile_mode
+    _expect(mode in modes, f"trainer.compile_mode must be one of {', '.join(modes)}, got {mode!r}")
+    _expect(mode != "reduce-overhead" or cfg.strategy.name in ("single", "ddp"),
             f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or ddp, not "
             f"{cfg.strategy.name}; use trainer.compile_mode=default")
     scope = cfg.strategy.get("compile_scope", "module")

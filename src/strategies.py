@@ -94,7 +94,8 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # compile_scope=module: DDP wraps the compiled model (one graph; DDP's hooks stay outside it);
         # wrapper: compile the DDP wrapper (DDPOptimizer cuts the graph at gradient-bucket boundaries)
-        inner = compiled(model) if cfg.get("compile_scope", "module") == "module" else model
+        scope = cfg.get("compile_scope", "module")
+        inner = compiled(model) if scope == "module" else model
         with warnings.catch_warnings():  # newer torch renames broadcast_buffers; keep the name 2.11 knows
             warnings.simplefilter("ignore", FutureWarning)
             ddp = nn.parallel.DistributedDataParallel(
@@ -105,7 +106,7 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
         if cfg.get("comm_hook") in ("fp16", "bf16"):  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.comm_hook}_compress_hook"))
-        return Wrapped(ddp if inner is not model else compiled(ddp), model, name, ddp)
+        return Wrapped(compiled(ddp) if scope == "wrapper" else ddp, model, name, ddp)
     if name == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -30,13 +30,17 @@ from src.tb import open_writer, write_hparams
 log = logging.getLogger("ddplab")
 
 
-def train(cfg: DictConfig) -> dict:
-    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
+def prepare_run(cfg: DictConfig) -> Run:
+    """This rank's run: its layout validated, the process group joined (nothing built yet)."""
     env = rank_env()
     layout = plan_layout(cfg, env.world_size if env.external else None,
                          env.local_world_size if env.external else None)
-    device = init_process_group(env, layout.device_type)
-    run = Run(cfg, env, layout, device)
+    return Run(cfg, env, layout, init_process_group(env, layout.device_type))
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
+    run = prepare_run(cfg)
     try:
         return run.execute()
     finally:
@@ -111,11 +115,10 @@ class Run:
         if t.channels_last and cfg.strategy.name != "fsdp":  # FSDP2 cannot shard non-contiguous weights;
             model = model.to(memory_format=torch.channels_last)  # its inputs stay channels_last
         self.wrapped: Wrapped = wrap(model, cfg.strategy, self.device, t.amp, self.amp_dtype,
-                                     self.layout.devices_per_process, compile=t.compile,
-                                     compile_mode=t.get("compile_mode", "default"))
+                                     self.layout.devices_per_process, compile=t.compile, compile_mode=t.compile_mode)
         self.model = self.wrapped.model
         # CUDA graphs (compile_mode reduce-overhead) reuse their output memory: mark where a step begins
-        self.cudagraphs = t.compile and t.get("compile_mode", "default") == "reduce-overhead"
+        self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed)
         fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
         self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)

@@ -7,12 +7,6 @@
 set -u
 source bench/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -c "
-from hydra import compose, initialize_config_dir; import os, src
-from src.datasets import load_data
-with initialize_config_dir(os.path.abspath('conf'), version_base='1.3'):
-    cfg = compose('train', overrides=['experiment=cifar10_94', 'paths.root_dir=' + os.getcwd()])
-print(len(load_data(cfg.data).train), 'train images decoded')"
 M=eager,compile-module,compile-module-cudagraphs
 P="--windows 5 --steps 20"
 CUDA_VISIBLE_DEVICES=0 timeout 120 torchrun --nproc-per-node 1 --master-port 29600 bench/ddp_probe.py --modes $M $P --tag alone >> "$OUT/probe.jsonl" 2>> "$OUT/probe.err"

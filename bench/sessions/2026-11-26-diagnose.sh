@@ -6,13 +6,6 @@ set -u
 source bench/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv >> "$OUT/topo.txt"
-# decode the JPEGs once (the cache the runs below share)
-python3 -c "
-from hydra import compose, initialize_config_dir; import os, src
-from src.datasets import load_data
-with initialize_config_dir(os.path.abspath('conf'), version_base='1.3'):
-    cfg = compose('train', overrides=['experiment=cifar10_94', 'paths.root_dir=' + os.getcwd()])
-print(len(load_data(cfg.data).train), 'train images decoded')"
 # 1. DDP probe: fixed on-device batch, 512 per GPU
 timeout 100 torchrun --nproc-per-node 1 bench/ddp_probe.py --modes eager,compile-module --windows 5 --steps 20 \
   > "$OUT/probe1.jsonl" 2> "$OUT/probe1.err"

@@ -4,12 +4,6 @@
 set -u
 source bench/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -c "
-from hydra import compose, initialize_config_dir; import os, src
-from src.datasets import load_data
-with initialize_config_dir(os.path.abspath('conf'), version_base='1.3'):
-    cfg = compose('train', overrides=['experiment=cifar10_94', 'paths.root_dir=' + os.getcwd()])
-print(len(load_data(cfg.data).train), 'train images decoded')"
 # 1. time to accuracy, alone on the machine: one GPU, then two
 timeout 100 python3 train.py experiment=cifar10_94 hydra.run.dir=/tmp/t94-1 > "$OUT/t94-1gpu.log" 2>&1
 timeout 110 python3 train.py experiment=cifar10_94 strategy=ddp trainer.devices=2 hydra.run.dir=/tmp/t94-2 > "$OUT/t94-2gpu.log" 2>&1
