@@ -57,6 +57,9 @@ def check_types(cfg: DictConfig) -> None:
     cut = cfg.data.get("cutout", 0)
     _expect(isinstance(cut, int) and not isinstance(cut, bool) and cut >= 0,
             f"data.cutout must be a side length in pixels (0 = off), got {cut!r}")
+    augment = cfg.data.get("augment", "none")  # "auto" is resolved when the images are read (loaders.py checks)
+    _expect(not cut or augment in ("crop_flip", "auto"),
+            f"data.cutout={cut} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0")
     vf = cfg.data.get("val_fraction", 0.0)
     _expect(isinstance(vf, (int, float)) and 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
     _expect(isinstance(cfg.seed, int), f"seed must be an integer, got {cfg.seed!r}")

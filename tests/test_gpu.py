@@ -35,10 +35,10 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("scope", ["module", "wrapper"])
-def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope):
+@pytest.mark.parametrize("scope, mode", [("module", "default"), ("wrapper", "default"), ("module", "reduce-overhead")])
+def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode):
     tiny = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=tiny_cnn", "data.batch_size=64",
-            "trainer.compile=true", "trainer.amp=false")
+            "trainer.compile=true", "trainer.amp=false", f"trainer.compile_mode={mode}")
     single = launch(cfg_factory(*tiny, sub="single"))
     ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", f"strategy.compile_scope={scope}", sub=scope))
     assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True

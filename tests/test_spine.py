@@ -306,6 +306,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("trainer.amp=yes",), "trainer.amp must be true or false"),
         (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be none, fp16"),
         (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
+        (("data.cutout=4",), "data.cutout=4 needs data.augment=crop_flip, got 'none'"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
         (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
          "works with strategy=single or ddp, not fsdp"),
@@ -324,9 +325,15 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
 
 
 def test_data_errors(tmp_path, cfg_factory):
+    from PIL import Image
+
     from src.loaders import build_loader
 
-    cfg = cfg_factory("data.cutout=4")  # digits: no crop_flip augmentation to cut out of
+    # imagefolder's augment=auto becomes random_resized_crop for large images: found when the data is read
+    cfg = cfg_factory("data=imagefolder", f"data.root={tmp_path}/big", "data.cutout=4", "data.val_fraction=0")
+    for split in ("train", "test"):
+        (tmp_path / f"big/{split}/a").mkdir(parents=True)
+        Image.new("RGB", (96, 96)).save(tmp_path / f"big/{split}/a/0.png")
     with pytest.raises(ConfigError, match="data.cutout=4 needs the crop_flip augmentation"):
         build_loader(load_data(cfg.data), cfg.data, torch.device("cpu"), False, 0)
     with pytest.raises(ConfigError, match="does not exist"):

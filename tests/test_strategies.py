@@ -72,6 +72,13 @@ def test_bn_buffers_drift_without_sync_or_broadcast(cfg_factory):
     assert metrics["params_in_sync"] is True and metrics["bn_buffers_in_sync"] is False
 
 
+def test_broadcast_buffers_agree_at_the_end_without_any_evaluation_between(cfg_factory):
+    # no validation split and no per-epoch test: nothing between the last step and the replica check runs
+    # a DDP forward, so the buffers agree only because ddplab applies DDP's rank-0 buffer broadcast itself
+    metrics = launch(cfg_factory("strategy=ddp", "trainer.devices=2", "data.val_fraction=0"))
+    assert metrics["params_in_sync"] is True and metrics["bn_buffers_in_sync"] is True
+
+
 def test_exact_eval_with_odd_test_set_equals_single(tmp_path, cfg_factory):
     common = ("data=synthetic", "data.num_test=301", "data.eval_batch_size=16")
     train(cfg_factory(*common, sub="trained"))
