@@ -71,6 +71,7 @@ def plan(args) -> list[dict]:
                              f"trainer.compile_mode={LOOP_COMPILE_MODE[strategy]}"]
                 if args.steps:
                     overrides.append(f"trainer.limit_train_batches={args.steps}")
+                overrides += args.override or []
                 configs.append({"name": name, "kind": "loop", "strategy": strategy, "gpus": gpus, "loader": tag,
                                 "compile": compile_, "precision": "bf16" if amp else "fp32",
                                 "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
@@ -175,12 +176,13 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
 # --- the children: one configuration each ---------------------------------------------------------
 
 def child_ceiling(spec: dict) -> dict:
-    """Train steps on one fixed random batch already on the device: forward, CE, backward, SGD step."""
+    """Train steps on one fixed random batch already on the device: forward, the loop's objective
+    (cross-entropy and top-1 hits, compiled with the model), backward, fused SGD step."""
     import torch
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
 
     from src.models import build_model
+    from src.objective import build_loss_terms
     from src.optim import build_optimizer
 
     device = torch.device(spec["device"])
@@ -192,6 +194,7 @@ def child_ceiling(spec: dict) -> dict:
     model = model.to(device, memory_format=fmt)
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
     forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
+    objective = build_loss_terms(spec["compile"], spec["compile_mode"] or "default")
     x = torch.randn(spec["batch"], 3, 32, 32, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (spec["batch"],), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -200,7 +203,7 @@ def child_ceiling(spec: dict) -> dict:
         if spec["compile"]:
             torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: the last step's outputs are dead
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
-            loss = F.cross_entropy(forward(x).float(), y)
+            loss, _ = objective(forward(x), y, 1 / spec["batch"])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -281,6 +284,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")
     p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
     p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
+    p.add_argument("--override", action="append", metavar="KEY=VALUE",
+                   help="a config override for every loop run (repeatable), e.g. strategy.gradient_sync=reducer")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
     p.add_argument("--one", help=argparse.SUPPRESS)

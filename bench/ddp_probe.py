@@ -20,15 +20,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.models import cifar_resnet18  # noqa: E402
+from src.objective import build_loss_terms  # noqa: E402
+from src.strategies import FlatGradientSync  # noqa: E402
 
-MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo optimize_ddp)
+MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo optimize_ddp[, DDP options])
     "eager": (False, None, None, 25, True),
     "compile-module-cudagraphs": ("reduce-overhead", "module", None, 25, True),
+    "cudagraphs-nobcast": ("reduce-overhead", "module", None, 25, True, {"broadcast_buffers": False}),
+    "cudagraphs-nobcast-1bucket": ("reduce-overhead", "module", None, 100, True, {"broadcast_buffers": False}),
+    "cudagraphs-wrapper-split": ("reduce-overhead", "wrapper", None, 25, True, {"broadcast_buffers": False}),
+    "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
+    "cudagraphs-after-backward-bf16": ("reduce-overhead", "after_backward", "bf16", 0, True),
     "compile-module": (True, "module", None, 25, True),
     "compile-wrapper": (True, "wrapper", None, 25, True),
     "compile-wrapper-nosplit": (True, "wrapper", None, 25, False),
@@ -39,7 +45,8 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
 
 
 def build(mode: str, device: torch.device, world: int):
-    compile_, scope, hook, bucket, optimize_ddp = MODES[mode]
+    """(model to call, optimizer, gradient sync to call after the backward or None)"""
+    compile_, scope, hook, bucket, optimize_ddp, *ddp_options = MODES[mode]
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp
     torch.manual_seed(0)
@@ -47,21 +54,29 @@ def build(mode: str, device: torch.device, world: int):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
     compiled = (lambda m: torch.compile(m, mode=None if compile_ is True else compile_)) if compile_ else None
     if world == 1:
-        return (compiled(model) if compile_ else model), opt
+        return (compiled(model) if compile_ else model), opt, None
+    if scope == "after_backward":  # ddplab's strategy.gradient_sync=after_backward: no DDP wrapper
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(hook)
+        return compiled(model), opt, FlatGradientSync(model.parameters(), dtype)
     inner = compiled(model) if compile_ and scope == "module" else model
-    ddp = DDP(inner, device_ids=[device.index], bucket_cap_mb=bucket, gradient_as_bucket_view=True)
+    ddp = DDP(inner, device_ids=[device.index], bucket_cap_mb=bucket, gradient_as_bucket_view=True,
+              **(ddp_options[0] if ddp_options else {}))
     if hook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
-    return (compiled(ddp) if compile_ and scope == "wrapper" else ddp), opt
+    return (compiled(ddp) if compile_ and scope == "wrapper" else ddp), opt, None
 
 
-def time_steps(model, opt, x, y, warmup: int, windows: int, steps: int) -> float:
+def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, steps: int) -> float:
+    scale = (1 if sync else dist.get_world_size()) / (len(y) * dist.get_world_size())  # as the trainer scales
+
     def step():
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the previous step's outputs are dead
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x).float(), y)
+            loss, _ = objective(model(x), y, scale)
         loss.backward()
+        if sync:
+            sync()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -123,10 +138,12 @@ def main():
             if rank == 0:
                 print(json.dumps({**info, "mode": f"allreduce-{str(dtype)[6:]}", **r}), flush=True)
     for mode in args.modes.split(","):
-        if world == 1 and MODES[mode][1] == "wrapper" or world == 1 and MODES[mode][2]:
+        if world == 1 and (MODES[mode][1] in ("wrapper", "after_backward") or MODES[mode][2] or MODES[mode][5:]):
             continue  # DDP-only variants
-        model, opt = build(mode, device, world)
-        sec = time_steps(model, opt, x, y, args.warmup, args.windows, args.steps)
+        model, opt, sync = build(mode, device, world)
+        compile_ = MODES[mode][0]
+        objective = build_loss_terms(bool(compile_), "default" if compile_ is True else (compile_ or "default"))
+        sec = time_steps(model, opt, sync, objective, x, y, args.warmup, args.windows, args.steps)
         if rank == 0:
             print(json.dumps({**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
                               "step_ms": round(sec / args.steps * 1000, 2)}), flush=True)

@@ -71,6 +71,9 @@ def check_types(cfg: DictConfig) -> None:
     _expect(mode != "reduce-overhead" or cfg.strategy.name in ("single", "ddp"),
             f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or ddp, not "
             f"{cfg.strategy.name}; use trainer.compile_mode=default")
+    sync = cfg.strategy.get("gradient_sync", "reducer")
+    _expect(sync in ("reducer", "after_backward", "auto"),
+            f"strategy.gradient_sync must be reducer, after_backward or auto, got {sync!r}")
     scope = cfg.strategy.get("compile_scope", "module")
     _expect(scope in ("module", "wrapper"), f"strategy.compile_scope must be module or wrapper, got {scope!r}")
     _expect(cfg.data.get("loader", "auto") in ("auto", "classic", "gpu"),

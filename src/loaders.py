@@ -76,7 +76,9 @@ class _Transform:
         x = normalize(images, self.mean, self.std)
         if augment and self.cutout:
             x = cutout(x, params[:, 3:5], self.cutout)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x.contiguous()
+        if self.channels_last:  # spelled out: torch.compile drops contiguous(memory_format=channels_last)
+            return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        return x.contiguous()
 
 
 class DeviceLoader:
@@ -84,11 +86,17 @@ class DeviceLoader:
 
     name = "gpu"
 
-    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int, cutout: int = 0):
+    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int, cutout: int = 0,
+                 compile: bool = False):
         self.device, self.seed = device, seed
         self.splits = {k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
                        for k in ("train", "val", "test")}
         self.transform = _Transform(data, channels_last, device, cutout)
+        # compiled: gather, crop, flip, normalize, cutout and layout become two kernels instead of ~15
+        self._train_batch = torch.compile(self._augmented, dynamic=False) if compile else self._augmented
+
+    def _augmented(self, images, labels, params, ids):
+        return self.transform(images[ids], params[ids]), labels[ids]
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         images, labels = self.splits["train"]
@@ -102,8 +110,8 @@ class DeviceLoader:
             for k, ids in enumerate(step.micro):
                 on_device = all_ids[offset:offset + len(ids)]
                 offset += len(ids)
-                yield MicroBatch(self.transform(images[on_device], params[on_device]), labels[on_device],
-                                 k == len(step.micro) - 1, step.global_count)
+                x, y = self._train_batch(images, labels, params, on_device)
+                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
 
     def close(self) -> None:
         self.splits = {}
@@ -224,8 +232,10 @@ class ClassicLoader:
             yield self._to_device(x, y)
 
 
-def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int):
-    """data.loader: gpu (device-resident), classic (DataLoader workers) or auto."""
+def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int,
+                 compile: bool = False):
+    """data.loader: gpu (device-resident), classic (DataLoader workers) or auto.
+    compile (trainer.compile): compile the gpu loader's augmentation too."""
     choice = cfg.get("loader", "auto")
     if choice == "auto":
         choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
@@ -233,5 +243,5 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
         if not data.in_memory:
             raise ConfigError("data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
                               "or raise data.max_memory_gb")
-        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0))
+        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile)
     return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0))

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import Layout
+from src.strategies import ddp_gradient_sync
 
 log = logging.getLogger("ddplab")
 
@@ -34,6 +35,8 @@ def hparams(cfg: DictConfig, layout: Layout, loader: str) -> dict:
     return {"strategy": layout.strategy, "world_size": layout.world_size * layout.devices_per_process,
             "global_batch": layout.global_batch, "per_device_batch": layout.per_device_batch, "amp": t.amp,
             "amp_dtype": t.amp_dtype, "sync_bn": bool(cfg.strategy.sync_bn),
+            "gradient_sync": (ddp_gradient_sync(cfg.strategy, t.compile, t.compile_mode)
+                              if layout.strategy == "ddp" else "none"),
             "accumulate_grad_batches": layout.accumulate, "model": cfg.model.get("name", target.rsplit(".", 1)[-1]),
             "data": cfg.data.name, "seed": cfg.seed, "lr": cfg.optim.lr, "loader": loader,
             "compile": t.compile, "channels_last": t.channels_last}

@@ -24,10 +24,22 @@ class Wrapped:
     core: nn.Module      # parameters / state dicts
     name: str
     wrapper: nn.Module   # the strategy's own wrapper (DDP, DataParallel) or core
+    broadcast_buffers: bool = False   # ddp: BatchNorm running stats follow rank 0's
+    after_backward: FlatGradientSync | None = None   # ddp with gradient_sync=after_backward
+
+    @property
+    def averages_gradients(self) -> bool:
+        """DDP's reducer and FSDP average gradients over ranks; the flat all-reduce sums them."""
+        return self.after_backward is None
+
+    def sync_gradients(self) -> None:
+        """At the end of an optimizer step's last backward: the all-reduce, where the strategy defers it."""
+        if self.after_backward is not None:
+            self.after_backward()
 
     def sync_context(self, boundary: bool):
         """Skip the gradient all-reduce on micro-steps that are not the last of an optimizer step."""
-        if boundary:
+        if boundary or self.after_backward is not None:  # after_backward: nothing syncs before it is called
             return contextlib.nullcontext()
         if self.name == "ddp":
             return self.wrapper.no_sync()
@@ -38,7 +50,7 @@ class Wrapped:
     def sync_buffers(self) -> None:
         """What DDP does before each forward (with broadcast_buffers): every rank takes rank 0's buffers
         (BatchNorm running stats). Done before evaluating and before checking that the replicas agree."""
-        if self.name == "ddp" and self.wrapper.broadcast_buffers and dist.is_initialized():
+        if self.name == "ddp" and self.broadcast_buffers and dist.is_initialized():
             with torch.no_grad():
                 for buffer in self.core.buffers():
                     dist.broadcast(buffer, src=0)
@@ -47,6 +59,52 @@ class Wrapped:
         """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile)."""
         self.sync_buffers()
         return self.wrapper if self.name == "dp" else self.core
+
+
+class FlatGradientSync:
+    """Every gradient summed over ranks by one all-reduce of one flat buffer, after the whole backward.
+
+    DDP's reducer all-reduces buckets from per-parameter autograd hooks so that communication overlaps
+    the backward. When the backward is one CUDA graph (compile_mode=reduce-overhead) every hook fires at
+    its end: nothing is left to overlap, and the reducer's per-parameter copies cost more than one
+    packed all-reduce (bench/results/NOTES.md, section 8). The reduced buffer becomes the gradients
+    (views with each parameter's own strides): one packing copy, no unpacking.
+    """
+
+    def __init__(self, params, dtype: torch.dtype | None = None):
+        self.params = [p for p in params if p.requires_grad]
+        self.dtype = dtype  # fp16/bf16: fewer bytes on the wire, less exact
+
+    def __call__(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        pieces, strides = zip(*(_in_memory_order(g) for g in grads))
+        flat = torch.cat(pieces)
+        if self.dtype is not None:
+            flat = flat.to(self.dtype)
+        dist.all_reduce(flat)
+        if self.dtype is not None:
+            flat = flat.to(grads[0].dtype)
+        offset = 0
+        for p, g, stride in zip(self.params, grads, strides):
+            p.grad = flat.as_strided(g.shape, stride, offset)
+            offset += g.numel()
+
+
+def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A 1-d view of a dense tensor's elements in memory order (channels_last included: no copy), and the
+    strides that lay such a piece out as the tensor; a copy in logical order for any other tensor."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    dense = t.permute(order)
+    if dense.is_contiguous():
+        return dense.view(-1), t.stride()
+    return t.reshape(-1), torch.empty(t.shape, device="meta").stride()
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """What DDP does when it wraps a model: every rank starts from rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=0)
 
 
 @contextlib.contextmanager
@@ -92,6 +150,11 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
     if name == "ddp":
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if ddp_gradient_sync(cfg, compile, compile_mode) == "after_backward":
+            _broadcast_from_rank0(model)
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.get("comm_hook"))
+            return Wrapped(compiled(model), model, name, model, broadcast_buffers=cfg.broadcast_buffers,
+                           after_backward=FlatGradientSync(model.parameters(), dtype))
         # compile_scope=module: DDP wraps the compiled model (one graph; DDP's hooks stay outside it);
         # wrapper: compile the DDP wrapper (DDPOptimizer cuts the graph at gradient-bucket boundaries)
         scope = cfg.get("compile_scope", "module")
@@ -106,7 +169,8 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
         if cfg.get("comm_hook") in ("fp16", "bf16"):  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.comm_hook}_compress_hook"))
-        return Wrapped(compiled(ddp) if scope == "wrapper" else ddp, model, name, ddp)
+        return Wrapped(compiled(ddp) if scope == "wrapper" else ddp, model, name, ddp,
+                       broadcast_buffers=cfg.broadcast_buffers)
     if name == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -117,6 +181,15 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
         fully_shard(model, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
         return Wrapped(compiled(model), model, name, model)
     raise ConfigError(f"strategy.name={name!r} is unknown; use single, dp, ddp or fsdp")
+
+
+def ddp_gradient_sync(cfg, compile: bool, compile_mode: str) -> str:
+    """strategy.gradient_sync: reducer (DDP's overlapped buckets) | after_backward | auto (after_backward
+    exactly when the backward is one CUDA graph)."""
+    choice = cfg.get("gradient_sync", "reducer")
+    if choice == "auto":
+        return "after_backward" if compile and compile_mode == "reduce-overhead" else "reducer"
+    return choice
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -9,7 +9,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -20,9 +19,10 @@ from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
 from src.distributed import (RankEnv, all_reduce, destroy_process_group, init_process_group,
                              rank_env, reduce_max)
-from src.evaluate import evaluate, topk_correct
+from src.evaluate import evaluate
 from src.loaders import build_loader, eval_shard, plan_epoch
 from src.models import build_model
+from src.objective import build_loss_terms
 from src.optim import build_optimizer
 from src.strategies import Wrapped, full_state, load_full_state, replicas_agree, wrap
 from src.tb import open_writer, write_hparams
@@ -117,9 +117,11 @@ class Run:
         self.wrapped: Wrapped = wrap(model, cfg.strategy, self.device, t.amp, self.amp_dtype,
                                      self.layout.devices_per_process, compile=t.compile, compile_mode=t.compile_mode)
         self.model = self.wrapped.model
+        self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
+        self.loss_scale = self.layout.world_size if self.wrapped.averages_gradients else 1
         # CUDA graphs (compile_mode reduce-overhead) reuse their output memory: mark where a step begins
         self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
-        self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed)
+        self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
         fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
         self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)
         self.steps_per_epoch = len(self._plan(0))
@@ -201,7 +203,6 @@ class Run:
         if first_step and self.resumed_totals is not None and self.primary:  # the sum over ranks, counted once
             totals += self.resumed_totals.to(self.device)
         samples = 0
-        world = self.layout.world_size
         self.model.train()
         bar = tqdm(total=len(steps), initial=first_step, desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
                    leave=False, dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
@@ -219,17 +220,16 @@ class Run:
             if self.cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.wrapped.sync_context(micro.boundary), self.autocast():
-                logits = self.model(micro.x)
-                loss_sum = F.cross_entropy(logits.float(), micro.y, reduction="sum",
-                                           label_smoothing=self.t.label_smoothing)
-            # sum / (samples of the whole step) x world: DDP/FSDP average over ranks, so every strategy
-            # and accumulation gets the gradient of the mean loss over the global batch.
-            self.scaler.scale(loss_sum * world / micro.global_count).backward()
-            totals[0] += loss_sum.detach().double()
-            totals[1] += topk_correct(logits.detach(), micro.y, (1,))[0]
+                # sum / (samples of the whole step), x world where the strategy averages over ranks:
+                # every strategy and accumulation gets the gradient of the mean loss over the global batch
+                loss, metrics = self.loss_terms(self.model(micro.x), micro.y, self.loss_scale / micro.global_count,
+                                                self.t.label_smoothing)
+            self.scaler.scale(loss).backward()
+            totals[:2] += metrics
             samples += len(micro.y)
             if not micro.boundary:
                 continue
+            self.wrapped.sync_gradients()
             self._optimizer_step()
             step_index += 1
             bar.update(1)
@@ -245,7 +245,7 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = reduce_max(time.perf_counter() - start, self.device)
-        wait_fraction = all_reduce(torch.tensor([wait], dtype=torch.float64, device=self.device)).item() / world
+        wait_fraction = all_reduce(torch.tensor([wait], dtype=torch.float64, device=self.device)).item() / self.layout.world_size
         totals[2] += samples
         loss_sum, hits, count = all_reduce(totals).tolist()
         done = sum(s.global_count for s in steps[first_step:])

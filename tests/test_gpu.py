@@ -35,12 +35,30 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("scope, mode", [("module", "default"), ("wrapper", "default"), ("module", "reduce-overhead")])
-def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode):
+@pytest.mark.parametrize("scope, mode, sync", [("module", "default", "reducer"), ("wrapper", "default", "reducer"),
+                                               ("module", "reduce-overhead", "reducer"),
+                                               ("module", "reduce-overhead", "after_backward")])
+def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync):
     tiny = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=tiny_cnn", "data.batch_size=64",
             "trainer.compile=true", "trainer.amp=false", f"trainer.compile_mode={mode}")
     single = launch(cfg_factory(*tiny, sub="single"))
-    ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", f"strategy.compile_scope={scope}", sub=scope))
+    ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", f"strategy.compile_scope={scope}",
+                             f"strategy.gradient_sync={sync}", sub=f"{scope}-{sync}"))
     assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
     assert ddp["test_count"] == single["test_count"] == 512
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=2e-3)  # fp32: only summation order differs
+
+
+def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
+    from src.datasets import load_data
+    from src.loaders import DeviceLoader, plan_epoch
+
+    data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=600").data)
+    steps = plan_epoch(len(data.train), 128, 1, 0, 1, seed=5, epoch=2, drop_last=True)
+    cuda = torch.device("cuda")
+    eager = list(DeviceLoader(data, cuda, True, seed=5, cutout=8).train_batches(steps, 2))
+    compiled = list(DeviceLoader(data, cuda, True, seed=5, cutout=8, compile=True).train_batches(steps, 2))
+    assert len(eager) == len(compiled) == len(steps) > 1
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
+        assert c.x.is_contiguous(memory_format=torch.channels_last)

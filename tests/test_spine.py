@@ -254,6 +254,39 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
     assert zeros > 0 if cut else zeros == 0
 
 
+def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory):
+    """trainer.compile also compiles the gpu loader's augmentation: same pixels, same layout."""
+    from src.loaders import DeviceLoader, plan_epoch
+
+    cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
+    data = load_data(cfg.data)
+    steps = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
+    cpu = torch.device("cpu")
+    eager = list(DeviceLoader(data, cpu, True, seed=3, cutout=5).train_batches(steps, 1))
+    compiled = list(DeviceLoader(data, cpu, True, seed=3, cutout=5, compile=True).train_batches(steps, 1))
+    assert len(eager) == len(compiled) == len(steps) > 1
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
+        assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
+
+
+def test_objective_compiled_equals_eager_and_reference():
+    from src.objective import build_loss_terms
+
+    torch.manual_seed(0)
+    logits, y = torch.randn(32, 10), torch.randint(0, 10, (32,))
+    logits[0, :] = 0
+    logits[0, y[0]] = 1  # one sure hit
+    smoothing = 0.2
+    logp = logits.log_softmax(1)  # reference: label-smoothed cross-entropy written out
+    reference = -((1 - smoothing) * logp.gather(1, y[:, None]).squeeze(1) + smoothing * logp.mean(1)).sum()
+    for compiled in (False, True):
+        loss, metrics = build_loss_terms(compiled)(logits, y, 0.5, smoothing)
+        torch.testing.assert_close(loss, 0.5 * reference)
+        assert metrics.dtype == torch.float64 and metrics[1] == (logits.argmax(1) == y).sum()
+        torch.testing.assert_close(metrics[0], reference.double())
+
+
 def test_classic_loader_workers_are_gone_when_train_returns(cfg_factory):
     import multiprocessing
 
@@ -311,6 +344,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
          "works with strategy=single or ddp, not fsdp"),
         (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
+        (("strategy=ddp", "trainer.devices=2", "strategy.gradient_sync=hooks"), "strategy.gradient_sync must be"),
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
     if torch.cuda.is_available():

@@ -39,12 +39,16 @@ def single_reference(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-after_backward", "fsdp"])
 def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path, strategy):
-    metrics = launch(cfg_factory(*SAME_STEPS, f"strategy={strategy}", "trainer.devices=2"))
+    # after_backward with channels_last: the flat all-reduce keeps each gradient's memory layout
+    extra = ["strategy.gradient_sync=after_backward", "trainer.channels_last=true"] if "after" in strategy else []
+    strategy = strategy.split("-")[0]
+    metrics = launch(cfg_factory(*SAME_STEPS, f"strategy={strategy}", "trainer.devices=2", *extra))
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt")
     m = read_metrics(tmp_path / "run")
     assert m["hparams"]["world_size"] == 2 and m["hparams"]["per_device_batch"] == 32
+    assert m["hparams"]["gradient_sync"] == ("after_backward" if extra else "reducer" if strategy == "ddp" else "none")
     assert metrics["params_in_sync"] is True
     ref = read_metrics(single_reference / "nobn/run")["final"]
     assert metrics["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
@@ -177,8 +181,10 @@ def test_fsdp_with_unshardable_model_fails_before_any_process(cfg_factory):
         launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=[Transformer]"))
 
 
-def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, cfg_factory, tmp_path):
-    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "strategy.comm_hook=fp16"))
+@pytest.mark.parametrize("sync", ["reducer", "after_backward"])
+def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, cfg_factory, tmp_path, sync):
+    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "strategy.comm_hook=fp16",
+                       f"strategy.gradient_sync={sync}"))
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt",
                         rtol=1e-2, atol=1e-3)
 
