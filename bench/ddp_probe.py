@@ -33,6 +33,8 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "cudagraphs-nobcast": ("reduce-overhead", "module", None, 25, True, {"broadcast_buffers": False}),
     "cudagraphs-nobcast-1bucket": ("reduce-overhead", "module", None, 100, True, {"broadcast_buffers": False}),
     "cudagraphs-wrapper-split": ("reduce-overhead", "wrapper", None, 25, True, {"broadcast_buffers": False}),
+    "cudagraphs-wrapper-split-b10": ("reduce-overhead", "wrapper", None, 10, True, {"broadcast_buffers": False}),
+    "cudagraphs-wrapper-split-b5": ("reduce-overhead", "wrapper", None, 5, True, {"broadcast_buffers": False}),
     "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
     "cudagraphs-after-backward-bf16": ("reduce-overhead", "after_backward", "bf16", 0, True),
     "compile-module": (True, "module", None, 25, True),

@@ -94,17 +94,25 @@ class DeviceLoader:
         self.transform = _Transform(data, channels_last, device, cutout)
         # compiled: gather, crop, flip, normalize, cutout and layout become two kernels instead of ~15
         self._train_batch = torch.compile(self._augmented, dynamic=False) if compile else self._augmented
+        self._ready = None  # (epoch, number of steps, augmentation draws, sample ids) prepared ahead
 
     def _augmented(self, images, labels, params, ids):
         return self.transform(images[ids], params[ids]), labels[ids]
 
+    def prepare(self, steps: list[Step], epoch: int) -> None:
+        """Draw an epoch's augmentation and copy its sample ids to the device now. The trainer calls this
+        for the next epoch once this epoch's last step is queued, so the host work overlaps the device's."""
+        params = self.transform.draw(len(self.splits["train"][1]), self.seed, epoch).to(self.device)
+        # one host-to-device copy per epoch: per-batch copies of pageable memory would stall the host
+        ids = torch.cat([ids for step in steps for ids in step.micro]).to(self.device) if steps else None
+        self._ready = (epoch, len(steps), params, ids)
+
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         images, labels = self.splits["train"]
-        params = self.transform.draw(len(labels), self.seed, epoch).to(self.device)
-        if not steps:
-            return
-        # one host-to-device copy per epoch: per-batch copies of pageable memory would stall the host
-        all_ids = torch.cat([ids for step in steps for ids in step.micro]).to(self.device)
+        if not (self._ready and self._ready[:2] == (epoch, len(steps))):  # (a resumed epoch has fewer steps)
+            self.prepare(steps, epoch)
+        _, _, params, all_ids = self._ready
+        self._ready = None
         offset = 0
         for step in steps:
             for k, ids in enumerate(step.micro):
@@ -212,6 +220,9 @@ class ClassicLoader:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
         self.loaders.clear()
+
+    def prepare(self, steps: list[Step], epoch: int) -> None:
+        """Nothing to do ahead: the workers prefetch."""
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)

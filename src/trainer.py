@@ -242,6 +242,8 @@ class Run:
                                 stop.signum, epoch + 1, step_index)
                 stop.hand_over()
         bar.close()
+        if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
+            self.loader.prepare(self._plan(epoch + 1), epoch + 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = reduce_max(time.perf_counter() - start, self.device)

@@ -270,6 +270,23 @@ def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory):
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 
+def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
+    """The next epoch is prepared while the device runs the last one; a stale preparation is never used."""
+    from src.loaders import DeviceLoader, plan_epoch
+
+    data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
+    plans = {e: plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=e) for e in (1, 2)}
+    fresh = {e: list(DeviceLoader(data, torch.device("cpu"), False, seed=3).train_batches(plans[e], e)) for e in (1, 2)}
+    loader = DeviceLoader(data, torch.device("cpu"), False, seed=3)
+    loader.prepare(plans[2], 2)
+    stale = list(loader.train_batches(plans[1], 1))   # prepared for epoch 2: epoch 1 must not use it
+    loader.prepare(plans[2], 2)
+    ahead = list(loader.train_batches(plans[2], 2))
+    for got, want in ((stale, fresh[1]), (ahead, fresh[2])):
+        assert len(got) == len(want) and all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) for a, b in zip(got, want))
+    assert not torch.equal(fresh[1][0].x, fresh[2][0].x)
+
+
 def test_objective_compiled_equals_eager_and_reference():
     from src.objective import build_loss_terms
 
