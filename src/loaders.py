@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from src.augment import crop_flip, cutout, draw_params, epoch_generator, normalize
+from src.augment import crop_flip, cutout, draw_params, epoch_generator, normalize, normalize_table
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 
@@ -55,8 +55,7 @@ class _Transform:
     """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
     def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0):
-        self.mean = torch.tensor(data.mean, device=device)
-        self.std = torch.tensor(data.std, device=device)
+        self.table = normalize_table(data.mean, data.std).to(device)
         self.augment = data.augment == "crop_flip"
         if cutout and not self.augment:
             raise ConfigError(f"data.cutout={cutout} needs the crop_flip augmentation, but this data uses "
@@ -73,7 +72,7 @@ class _Transform:
         augment = params is not None and self.augment
         if augment:
             images = crop_flip(images, params[:, :3])
-        x = normalize(images, self.mean, self.std)
+        x = normalize(images, self.table)
         if augment and self.cutout:
             x = cutout(x, params[:, 3:5], self.cutout)
         if self.channels_last:  # spelled out: torch.compile drops contiguous(memory_format=channels_last)

@@ -270,6 +270,17 @@ def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory):
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 
+def test_normalize_lookup_equals_the_arithmetic():
+    from src.augment import normalize, normalize_table
+
+    mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+    images = torch.randint(0, 256, (4, 3, 5, 6), dtype=torch.uint8)
+    images[0, :, 0, :2] = torch.tensor([0, 255])  # both ends of the range
+    reference = (images.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    out = normalize(images, normalize_table(mean, std))
+    assert out.dtype == torch.float32 and torch.equal(out, reference)
+
+
 def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
     """The next epoch is prepared while the device runs the last one; a stale preparation is never used."""
     from src.loaders import DeviceLoader, plan_epoch
