@@ -71,6 +71,12 @@ def check_types(cfg: DictConfig) -> None:
     _expect(mode != "reduce-overhead" or cfg.strategy.name in ("single", "ddp"),
             f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or ddp, not "
             f"{cfg.strategy.name}; use trainer.compile_mode=default")
+    # torch's CUDA-graph trees hand out each replay's gradients in memory the next replay reuses, so gradients
+    # summed over micro-batches come out wrong (pytorch/pytorch#169545, #96693)
+    _expect(mode != "reduce-overhead" or not t.compile or t.accumulate_grad_batches == 1,
+            f"trainer.compile_mode=reduce-overhead (CUDA graphs) cannot accumulate gradients over "
+            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} micro-batches (torch sums them wrongly); "
+            f"use trainer.compile_mode=default or accumulate_grad_batches=1")
     sync = cfg.strategy.get("gradient_sync", "reducer")
     _expect(sync in ("reducer", "after_backward", "auto"),
             f"strategy.gradient_sync must be reducer, after_backward or auto, got {sync!r}")

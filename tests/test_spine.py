@@ -373,6 +373,8 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
          "works with strategy=single or ddp, not fsdp"),
         (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
         (("strategy=ddp", "trainer.devices=2", "strategy.gradient_sync=hooks"), "strategy.gradient_sync must be"),
+        (("trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.accumulate_grad_batches=2"),
+         "cannot accumulate gradients over trainer.accumulate_grad_batches=2"),
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
     if torch.cuda.is_available():
