@@ -439,3 +439,15 @@ def test_no_validation_split_keeps_the_last_epoch_and_tracks_test_every_epoch(tm
     assert saved["epochs"][-1]["test_top1"] == pytest.approx(metrics["test_top1"])
     totals = [r["train_sec_total"] for r in saved["epochs"]]
     assert totals == sorted(totals) and totals[-1] == pytest.approx(sum(r["epoch_sec"] for r in saved["epochs"]))
+
+
+def test_compiled_loop_trains_like_eager(cfg_factory, tmp_path):
+    """trainer.compile compiles the model, the objective and the gpu loader's augmentation (here on CPU)."""
+    common = ("data=synthetic", "data.augment=crop_flip", "data.loader=gpu", "data.cutout=4", "trainer.label_smoothing=0.1",
+              "scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=3")
+    eager = train(cfg_factory(*common, sub="eager"))
+    compiled = train(cfg_factory(*common, "trainer.compile=true", sub="compiled"))
+    assert compiled["test_count"] == eager["test_count"] > 0
+    assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-4)
+    train_loss = {k: read_metrics(tmp_path / k / "run")["epochs"][0]["train_loss"] for k in ("eager", "compiled")}
+    assert train_loss["compiled"] == pytest.approx(train_loss["eager"], rel=1e-4)
