@@ -2,6 +2,7 @@
 """Profile one steady-state epoch of the real training loop (what `python train.py ...` runs).
 
     python bench/profile_loop.py experiment=cifar10_94 [overrides...] [--trace /tmp/trace.json]
+    torchrun --nproc-per-node 2 bench/profile_loop.py strategy=ddp [overrides...]   # rank 0's view of ddp
 
 Builds the run as train() does, trains epoch 1 untimed (compilation, cuDNN tuning), then trains
 epoch 2 under torch.profiler and prints: the epoch's wall time, the GPU's busy time (sum of kernel
