@@ -55,6 +55,8 @@ class _Transform:
     """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
     def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0):
+        self.mean = torch.tensor(data.mean, device=device)
+        self.std = torch.tensor(data.std, device=device)
         self.table = normalize_table(data.mean, data.std).to(device)
         self.augment = data.augment == "crop_flip"
         if cutout and not self.augment:
@@ -72,7 +74,7 @@ class _Transform:
         augment = params is not None and self.augment
         if augment:
             images = crop_flip(images, params[:, :3])
-        x = normalize(images, self.table)
+        x = normalize(images, self.mean, self.std, self.table)
         if augment and self.cutout:
             x = cutout(x, params[:, 3:5], self.cutout)
         if self.channels_last:  # spelled out: torch.compile drops contiguous(memory_format=channels_last)

@@ -275,10 +275,16 @@ def test_normalize_lookup_equals_the_arithmetic():
 
     mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
     images = torch.randint(0, 256, (4, 3, 5, 6), dtype=torch.uint8)
-    images[0, :, 0, :2] = torch.tensor([0, 255])  # both ends of the range
+    images[0, :, 0, :3] = torch.tensor([0, 255, 7])  # both ends of the range, and a 7
     reference = (images.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
-    out = normalize(images, normalize_table(mean, std))
-    assert out.dtype == torch.float32 and torch.equal(out, reference)
+    table = normalize_table(mean, std)
+    eager = normalize(images, torch.tensor(mean), torch.tensor(std), table)
+    lookup = torch.compile(normalize)(images, torch.tensor(mean), torch.tensor(std), table)
+    for out in (eager, lookup):
+        assert out.dtype == torch.float32 and torch.equal(out, reference)
+    bad = table.clone()
+    bad[0, 7] += 1
+    assert not torch.equal(torch.compile(normalize)(images, torch.tensor(mean), torch.tensor(std), bad), reference)
 
 
 def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
