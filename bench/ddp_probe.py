@@ -3,6 +3,8 @@
 
     torchrun --nproc-per-node 1 bench/ddp_probe.py            # the one-GPU references
     torchrun --nproc-per-node 2 bench/ddp_probe.py            # DDP variants on two GPUs
+    torchrun --nproc-per-node 2 bench/ddp_probe.py --cpu --batch 8 --warmup 2 --windows 1 --steps 2 --modes ...
+                                                              # do these modes run at all? (gloo, no timing value)
 
 Each mode builds ResNet-18 (CIFAR stem), bf16 autocast, channels_last, fused SGD, 512 images per GPU,
 warms up (compilation, cuDNN tuning), then times windows of steps with CUDA events; the slowest
@@ -16,9 +18,11 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,6 +39,10 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "cudagraphs-wrapper-split": ("reduce-overhead", "wrapper", None, 25, True, {"broadcast_buffers": False}),
     "cudagraphs-wrapper-split-b10": ("reduce-overhead", "wrapper", None, 10, True, {"broadcast_buffers": False}),
     "cudagraphs-wrapper-split-b5": ("reduce-overhead", "wrapper", None, 5, True, {"broadcast_buffers": False}),
+    # compiled autograd traces DDP's (python) reducer into the backward graph, where Inductor may reorder the
+    # all-reduces to overlap the backward (prepared for the next GPU session; checked on CPU/gloo only)
+    "cudagraphs-compiled-autograd": ("reduce-overhead", "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
+    "compiled-autograd": (True, "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
     "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
     "cudagraphs-after-backward-bf16": ("reduce-overhead", "after_backward", "bf16", 0, True),
     "compile-module": (True, "module", None, 25, True),
@@ -51,9 +59,12 @@ def build(mode: str, device: torch.device, world: int):
     compile_, scope, hook, bucket, optimize_ddp, *ddp_options = MODES[mode]
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch._dynamo.config.compiled_autograd = optimize_ddp == "python_reducer"
+    torch._inductor.config.reorder_for_compute_comm_overlap = optimize_ddp == "python_reducer"
     torch.manual_seed(0)
     model = cifar_resnet18(10).to(device).to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                          fused=device.type == "cuda")
     compiled = (lambda m: torch.compile(m, mode=None if compile_ is True else compile_)) if compile_ else None
     if world == 1:
         return (compiled(model) if compile_ else model), opt, None
@@ -61,8 +72,8 @@ def build(mode: str, device: torch.device, world: int):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(hook)
         return compiled(model), opt, FlatGradientSync(model.parameters(), dtype)
     inner = compiled(model) if compile_ and scope == "module" else model
-    ddp = DDP(inner, device_ids=[device.index], bucket_cap_mb=bucket, gradient_as_bucket_view=True,
-              **(ddp_options[0] if ddp_options else {}))
+    ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket,
+              gradient_as_bucket_view=True, **(ddp_options[0] if ddp_options else {}))
     if hook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
@@ -74,7 +85,7 @@ def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, ste
 
     def step():
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the previous step's outputs are dead
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             loss, _ = objective(model(x), y, scale)
         loss.backward()
         if sync:
@@ -86,13 +97,17 @@ def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, ste
         step()
     times = []
     for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
         for _ in range(steps):
             step()
-        end.record()
-        end.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / 1000], device=x.device)
+        if x.is_cuda:
+            end.record()
+            end.synchronize()
+        seconds = start.elapsed_time(end) / 1000 if x.is_cuda else time.perf_counter() - began
+        t = torch.tensor([seconds], device=x.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
     return statistics.median(times)
@@ -122,18 +137,24 @@ def main():
     parser.add_argument("--windows", type=int, default=7)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--tag", default="", help="a label for this process group's lines")
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU: check that the modes run (timings mean nothing)")
     args = parser.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.backends.cudnn.benchmark = True
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(args.batch, 3, 32, 32, device=device, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=device, generator=g)
-    info = {"tag": args.tag, "gpus": world, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
-    if world > 1:
+    info = {"tag": args.tag, "gpus": world, "gpu": torch.cuda.get_device_name(device) if not args.cpu else "cpu",
+            "torch": torch.__version__}
+    if world > 1 and not args.cpu:
         params = sum(p.numel() for p in cifar_resnet18(10).parameters())
         for dtype in (torch.float32, torch.bfloat16):
             r = allreduce_bandwidth(device, params, dtype)
