@@ -40,6 +40,21 @@ def read_metrics(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
+def assert_compiled_loader_augments_like_eager(data, device: torch.device, batch: int, seed: int, epoch: int,
+                                               cutout: int) -> None:
+    """The gpu loader with its augmentation compiled yields the eager loader's batches, bit for bit,
+    in channels_last layout."""
+    from src.loaders import DeviceLoader, plan_epoch
+
+    steps = plan_epoch(len(data.train), batch, 1, 0, 1, seed=seed, epoch=epoch, drop_last=True)
+    eager = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout).train_batches(steps, epoch))
+    compiled = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout, compile=True).train_batches(steps, epoch))
+    assert len(eager) == len(compiled) == len(steps) > 1
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
+        assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=False)["model"]
 

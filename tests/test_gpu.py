@@ -6,6 +6,7 @@ import torch
 
 from src.launch import main as launch
 from src.trainer import train
+from tests.conftest import assert_compiled_loader_augments_like_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPU = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=resnet18", "trainer.amp=true",
@@ -51,14 +52,6 @@ def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync
 
 def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
     from src.datasets import load_data
-    from src.loaders import DeviceLoader, plan_epoch
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=600").data)
-    steps = plan_epoch(len(data.train), 128, 1, 0, 1, seed=5, epoch=2, drop_last=True)
-    cuda = torch.device("cuda")
-    eager = list(DeviceLoader(data, cuda, True, seed=5, cutout=8).train_batches(steps, 2))
-    compiled = list(DeviceLoader(data, cuda, True, seed=5, cutout=8, compile=True).train_batches(steps, 2))
-    assert len(eager) == len(compiled) == len(steps) > 1
-    for e, c in zip(eager, compiled):
-        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
-        assert c.x.is_contiguous(memory_format=torch.channels_last)
+    assert_compiled_loader_augments_like_eager(data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8)

@@ -19,7 +19,8 @@ from src.datasets import load_data
 from src.launch import main as launch
 from src.models import build_model
 from src.trainer import train
-from tests.conftest import CIFAR_JPEG_ZIP, ROOT, read_metrics, run_cli, weights
+from tests.conftest import (CIFAR_JPEG_ZIP, ROOT, assert_compiled_loader_augments_like_eager, read_metrics,
+                            run_cli, weights)
 
 
 def test_cli_trains_and_writes_run_dir(tmp_path):
@@ -256,18 +257,8 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
 
 def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory):
     """trainer.compile also compiles the gpu loader's augmentation: same pixels, same layout."""
-    from src.loaders import DeviceLoader, plan_epoch
-
-    cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
-    data = load_data(cfg.data)
-    steps = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
-    cpu = torch.device("cpu")
-    eager = list(DeviceLoader(data, cpu, True, seed=3, cutout=5).train_batches(steps, 1))
-    compiled = list(DeviceLoader(data, cpu, True, seed=3, cutout=5, compile=True).train_batches(steps, 1))
-    assert len(eager) == len(compiled) == len(steps) > 1
-    for e, c in zip(eager, compiled):
-        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
-        assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
+    data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
+    assert_compiled_loader_augments_like_eager(data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5)
 
 
 def test_normalize_lookup_equals_the_arithmetic():
