@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.models import cifar_resnet18  # noqa: E402
 from src.objective import build_loss_terms  # noqa: E402
-from src.strategies import FlatGradientSync  # noqa: E402
+from src.strategies import COMM_DTYPES, FlatGradientSync  # noqa: E402
 
 MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo optimize_ddp[, DDP options])
     "eager": (False, None, None, 25, True),
@@ -69,8 +69,7 @@ def build(mode: str, device: torch.device, world: int):
     if world == 1:
         return (compiled(model) if compile_ else model), opt, None
     if scope == "after_backward":  # ddplab's strategy.gradient_sync=after_backward: no DDP wrapper
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(hook)
-        return compiled(model), opt, FlatGradientSync(model.parameters(), dtype)
+        return compiled(model), opt, FlatGradientSync(model.parameters(), COMM_DTYPES.get(hook))
     inner = compiled(model) if compile_ and scope == "module" else model
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket,
               gradient_as_bucket_view=True, **(ddp_options[0] if ddp_options else {}))

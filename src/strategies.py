@@ -61,14 +61,18 @@ class Wrapped:
         return self.wrapper if self.name == "dp" else self.core
 
 
+COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # strategy.comm_hook -> all-reduce dtype
+
+
 class FlatGradientSync:
     """Every gradient summed over ranks by one all-reduce of one flat buffer, after the whole backward.
 
     DDP's reducer all-reduces buckets from per-parameter autograd hooks so that communication overlaps
     the backward. When the backward is one CUDA graph (compile_mode=reduce-overhead) every hook fires at
-    its end: nothing is left to overlap, and the reducer's per-parameter copies cost more than one
-    packed all-reduce (bench/results/NOTES.md, section 8). The reduced buffer becomes the gradients
-    (views with each parameter's own strides): one packing copy, no unpacking.
+    its end: nothing is left to overlap, and one packed all-reduce after it measured faster in the loop
+    (2 x H200: 1.86x vs 1.82x one GPU with DDP's default reducer; bench/results/NOTES.md, sections 8-9).
+    The reduced buffer becomes the gradients (views with each parameter's own strides): one packing
+    copy, no unpacking.
     """
 
     def __init__(self, params, dtype: torch.dtype | None = None):
@@ -152,7 +156,7 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if ddp_gradient_sync(cfg, compile, compile_mode) == "after_backward":
             _broadcast_from_rank0(model)
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.get("comm_hook"))
+            dtype = COMM_DTYPES.get(cfg.get("comm_hook"))
             return Wrapped(compiled(model), model, name, model, broadcast_buffers=cfg.broadcast_buffers,
                            after_backward=FlatGradientSync(model.parameters(), dtype))
         # compile_scope=module: DDP wraps the compiled model (one graph; DDP's hooks stay outside it);

@@ -118,7 +118,7 @@ class Run:
                                      self.layout.devices_per_process, compile=t.compile, compile_mode=t.compile_mode)
         self.model = self.wrapped.model
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
-        self.loss_scale = self.layout.world_size if self.wrapped.averages_gradients else 1
+        self.rank_factor = self.layout.world_size if self.wrapped.averages_gradients else 1
         # CUDA graphs (compile_mode reduce-overhead) reuse their output memory: mark where a step begins
         self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
@@ -222,7 +222,7 @@ class Run:
             with self.wrapped.sync_context(micro.boundary), self.autocast():
                 # sum / (samples of the whole step), x world where the strategy averages over ranks:
                 # every strategy and accumulation gets the gradient of the mean loss over the global batch
-                loss, metrics = self.loss_terms(self.model(micro.x), micro.y, self.loss_scale / micro.global_count,
+                loss, metrics = self.loss_terms(self.model(micro.x), micro.y, self.rank_factor / micro.global_count,
                                                 self.t.label_smoothing)
             self.scaler.scale(loss).backward()
             totals[:2] += metrics
