@@ -87,3 +87,14 @@ def test_merge_recomputes_ratios_from_split_files(smoke, tmp_path):
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert set(merged["runs"]) == SMOKE_RUNS and len(merged["merged_from"]) == 2
     check_ratios(merged)
+
+
+@pytest.mark.slow
+def test_override_reaches_every_loop_run(tmp_path):
+    out = tmp_path / "o.json"
+    proc = bench("--smoke", "--only", "ddp2-gpu", "--override", "strategy.gradient_sync=after_backward",
+                 "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"]["ddp2-gpu"]
+    assert "strategy.gradient_sync=after_backward" in run["overrides"]
+    assert run["hparams"]["gradient_sync"] == "after_backward"  # the default (auto) would be reducer here

@@ -448,3 +448,16 @@ def test_compiled_loop_trains_like_eager(cfg_factory, tmp_path):
     assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-4)
     train_loss = {k: read_metrics(tmp_path / k / "run")["epochs"][0]["train_loss"] for k in ("eager", "compiled")}
     assert train_loss["compiled"] == pytest.approx(train_loss["eager"], rel=1e-4)
+
+
+def test_ddp_gradient_sync_auto_picks_after_backward_exactly_with_cuda_graphs():
+    from omegaconf import OmegaConf
+
+    from src.strategies import ddp_gradient_sync
+
+    auto = OmegaConf.create({"gradient_sync": "auto"})
+    assert ddp_gradient_sync(auto, True, "reduce-overhead") == "after_backward"
+    for compile_, mode in ((True, "default"), (False, "reduce-overhead"), (True, "max-autotune")):
+        assert ddp_gradient_sync(auto, compile_, mode) == "reducer"
+    for explicit in ("reducer", "after_backward"):
+        assert ddp_gradient_sync(OmegaConf.create({"gradient_sync": explicit}), True, "reduce-overhead") == explicit
