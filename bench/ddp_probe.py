@@ -159,7 +159,7 @@ def main():
             r = allreduce_bandwidth(device, params, dtype)
             if rank == 0:
                 print(json.dumps({**info, "mode": f"allreduce-{str(dtype)[6:]}", **r}), flush=True)
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):  # --modes "": the all-reduce timings alone
         if world == 1 and (MODES[mode][1] in ("wrapper", "after_backward") or MODES[mode][2] or MODES[mode][5:]):
             continue  # DDP-only variants
         model, opt, sync = build(mode, device, world)
