@@ -112,6 +112,39 @@ def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, ste
     return statistics.median(times)
 
 
+def segment_times(model, opt, sync, objective, x, y, steps: int) -> dict:
+    """Median per-step milliseconds of each part of the step, on the device (CUDA events) and on the host
+    (time the Python calls take to return): if host time reaches device time, the host is the bottleneck."""
+    scale = (1 if sync else dist.get_world_size()) / (len(y) * dist.get_world_size())
+    names = ("forward", "backward", "sync", "optimizer")
+    device, host = {n: [] for n in names}, {n: [] for n in names}
+    for _ in range(steps):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        clock = [time.perf_counter()]
+        events[0].record()
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            loss, _ = objective(model(x), y, scale)
+        events[1].record(), clock.append(time.perf_counter())
+        loss.backward()
+        events[2].record(), clock.append(time.perf_counter())
+        if sync:
+            sync()
+        events[3].record(), clock.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        events[4].record(), clock.append(time.perf_counter())
+        for i, n in enumerate(names):
+            device[n].append((events, i))
+            host[n].append((clock[i + 1] - clock[i]) * 1000)
+    torch.cuda.synchronize()
+    out = {}
+    for n in names:
+        out[f"device_{n}_ms"] = round(statistics.median(e[i].elapsed_time(e[i + 1]) for e, i in device[n]), 3)
+        out[f"host_{n}_ms"] = round(statistics.median(host[n]), 3)
+    return out
+
+
 def allreduce_bandwidth(device: torch.device, numel: int, dtype: torch.dtype, iters: int = 30) -> dict:
     buf = torch.ones(numel, dtype=dtype, device=device)
     for _ in range(5):
@@ -136,6 +169,7 @@ def main():
     parser.add_argument("--windows", type=int, default=7)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--tag", default="", help="a label for this process group's lines")
+    parser.add_argument("--segments", action="store_true", help="also time each part of the step, device and host")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: check that the modes run (timings mean nothing)")
     args = parser.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -166,9 +200,13 @@ def main():
         compile_ = MODES[mode][0]
         objective = build_loss_terms(bool(compile_), "default" if compile_ is True else (compile_ or "default"))
         sec = time_steps(model, opt, sync, objective, x, y, args.warmup, args.windows, args.steps)
-        if rank == 0:
-            print(json.dumps({**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
-                              "step_ms": round(sec / args.steps * 1000, 2)}), flush=True)
+        parts = segment_times(model, opt, sync, objective, x, y, args.steps) if args.segments and x.is_cuda else {}
+        line = {**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
+                "step_ms": round(sec / args.steps * 1000, 2), "rank": rank, **parts}
+        for r in range(world) if parts else [0]:  # with segments, every rank's line: is one rank slower?
+            if rank == r:
+                print(json.dumps(line), flush=True)
+            dist.barrier()
     dist.destroy_process_group()
 
 

@@ -57,20 +57,25 @@ def cutout(x: torch.Tensor, centres: torch.Tensor, size: int) -> torch.Tensor:
 
 def normalize_table(mean, std) -> torch.Tensor:
     """C x 256 float32: (level / 255 - mean) / std for every uint8 level of every channel, computed once on
-    the CPU with the eager arithmetic of `normalize`."""
-    levels = torch.arange(256, dtype=torch.float32).div_(255)
-    mean = torch.as_tensor(mean, dtype=torch.float32)[:, None]
-    std = torch.as_tensor(std, dtype=torch.float32)[:, None]
-    return (levels[None, :] - mean) / std
+    the CPU with the arithmetic of `normalize`."""
+    levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 1, 256).expand(1, len(mean), 1, 256)
+    mean, std = (torch.as_tensor(v, dtype=torch.float32) for v in (mean, std))
+    return _arithmetic(levels, mean, std)[0, :, 0]
+
+
+def _arithmetic(images, mean, std):
+    return images.float().div_(255).sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))
 
 
 def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """uint8 B x C x H x W -> float32 (images / 255 - mean) / std.
+    """uint8 B x C x H x W -> float32 (images / 255 - mean) / std, with the CPU's bits on every device.
 
-    Eager: the arithmetic (IEEE division: the same bits on every device). Under torch.compile: a lookup in
-    `table` (normalize_table), because a compiled division need not round like that (measured on CUDA),
-    while a lookup is exact; eagerly, the lookup would be ~15x slower on CPU workers."""
-    if torch.compiler.is_compiling():
+    Eager on the CPU: the arithmetic. Elsewhere (CUDA, or under torch.compile): a lookup in `table`
+    (normalize_table), which is exact, because the arithmetic rounds differently there: CUDA divides by a
+    Python number as a multiplication by its reciprocal (aten's div_true_kernel_cuda), and compiled code
+    need not round like eager code (both seen in the CUDA test). Eagerly on the CPU the lookup would be
+    ~15x slower for the classic loader's workers."""
+    if images.device.type != "cpu" or torch.compiler.is_compiling():
         channels = torch.arange(images.shape[1], device=images.device)[:, None, None]
         return table[channels, images.long()]
-    return images.float().div_(255).sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))
+    return _arithmetic(images, mean, std)

@@ -95,8 +95,11 @@ class FlatGradientSync:
 
 
 def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A 1-d view of a dense tensor's elements in memory order (channels_last included: no copy), and the
-    strides that lay such a piece out as the tensor; a copy in logical order for any other tensor."""
+    """A 1-d view of a dense tensor's elements in memory order (no copy), and the strides that lay such a
+    piece out as the tensor; a copy in logical order for any other tensor. One cheap call for the layouts
+    gradients have (contiguous, channels_last): this runs for every parameter at every step."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return t.as_strided((t.numel(),), (1,)), t.stride()
     order = sorted(range(t.dim()), key=t.stride, reverse=True)
     dense = t.permute(order)
     if dense.is_contiguous():

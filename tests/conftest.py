@@ -42,16 +42,19 @@ def read_metrics(run_dir: Path) -> dict:
 
 def assert_compiled_loader_augments_like_eager(data, device: torch.device, batch: int, seed: int, epoch: int,
                                                cutout: int) -> None:
-    """The gpu loader with its augmentation compiled yields the eager loader's batches, bit for bit,
-    in channels_last layout."""
+    """The gpu loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
+    (the classic path's arithmetic), bit for bit, in channels_last layout."""
     from src.loaders import DeviceLoader, plan_epoch
 
     steps = plan_epoch(len(data.train), batch, 1, 0, 1, seed=seed, epoch=epoch, drop_last=True)
+    cpu = torch.device("cpu")
+    reference = list(DeviceLoader(data, cpu, True, seed=seed, cutout=cutout).train_batches(steps, epoch))
     eager = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout).train_batches(steps, epoch))
     compiled = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout, compile=True).train_batches(steps, epoch))
-    assert len(eager) == len(compiled) == len(steps) > 1
-    for e, c in zip(eager, compiled):
-        assert torch.equal(e.x, c.x) and torch.equal(e.y, c.y)
+    assert len(reference) == len(eager) == len(compiled) == len(steps) > 1
+    for r, e, c in zip(reference, eager, compiled):
+        for b in (e, c):
+            assert torch.equal(b.x.to(cpu), r.x) and torch.equal(b.y.to(cpu), r.y)
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 

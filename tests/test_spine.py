@@ -461,3 +461,18 @@ def test_ddp_gradient_sync_auto_picks_after_backward_exactly_with_cuda_graphs():
         assert ddp_gradient_sync(auto, compile_, mode) == "reducer"
     for explicit in ("reducer", "after_backward"):
         assert ddp_gradient_sync(OmegaConf.create({"gradient_sync": explicit}), True, "reduce-overhead") == explicit
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted", "strided_slice"])
+def test_flat_gradient_pieces_keep_each_layout(layout):
+    """after_backward packs each gradient in memory order and lays the reduced buffer back out with the
+    gradient's own strides: the round trip gives the tensor back, and a dense one is packed without a copy."""
+    from src.strategies import _in_memory_order
+
+    base = torch.randn(4, 6, 5, 3)
+    t = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
+         "permuted": base.permute(2, 0, 3, 1), "strided_slice": base[:, ::2]}[layout]
+    piece, stride = _in_memory_order(t)
+    assert piece.shape == (t.numel(),)
+    assert torch.equal(piece.as_strided(t.shape, stride), t)
+    assert (piece.data_ptr() == t.data_ptr()) == (layout != "strided_slice")
