@@ -49,6 +49,7 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "compiled-autograd": (True, "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
     "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
     "cudagraphs-after-backward-bf16": ("reduce-overhead", "after_backward", "bf16", 0, True),
+    "cudagraphs-after-backward-cat": ("reduce-overhead", "after_backward_cat", None, 0, True),
     "compile-module": (True, "module", None, 25, True),
     "compile-wrapper": (True, "wrapper", None, 25, True),
     "compile-wrapper-nosplit": (True, "wrapper", None, 25, False),
@@ -74,6 +75,8 @@ def build(mode: str, device: torch.device, world: int):
         return (compiled(model) if compile_ else model), opt, None
     if scope == "after_backward":  # ddplab's strategy.gradient_sync=after_backward: no DDP wrapper
         return compiled(model), opt, FlatGradientSync(model.parameters(), COMM_DTYPES.get(hook))
+    if scope == "after_backward_cat":  # its previous version: a fresh torch.cat of the gradients every step
+        return compiled(model), opt, cat_gradient_sync(list(model.parameters()))
     inner = compiled(model) if compile_ and scope == "module" else model
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket,
               gradient_as_bucket_view=True, **(ddp_options[0] if ddp_options else {}))
@@ -83,7 +86,20 @@ def build(mode: str, device: torch.device, world: int):
     return (compiled(ddp) if compile_ and scope == "wrapper" else ddp), opt, None
 
 
-def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, steps: int) -> float:
+def cat_gradient_sync(params):
+    """strategy.gradient_sync=after_backward before the fourth session: pack by torch.cat into a new buffer."""
+    def sync():
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.as_strided((g.numel(),), (1,)) for g in grads])  # dense gradients only
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat.as_strided(g.shape, g.stride(), offset)
+            offset += g.numel()
+    return sync
+
+
+def make_step(model, opt, sync, objective, x, y):
     scale = (1 if sync else dist.get_world_size()) / (len(y) * dist.get_world_size())  # as the trainer scales
 
     def step():
@@ -95,7 +111,32 @@ def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, ste
             sync()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
 
+
+def trace_tail(step, steps: int = 3, last: int = 45) -> list[str]:
+    """The device's last `last` kernels, copies and memsets of `steps` profiled steps: the end of the last
+    backward, the gradient sync and the optimizer, with start times (us, from the first listed), durations
+    and streams."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])[-last:]
+    t0 = device[0]["ts"]
+    return [f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} s{e['args'].get('stream', '?')} {e['name'][:70]}" for e in device]
+
+
+def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, steps: int) -> float:
+    step = make_step(model, opt, sync, objective, x, y)
     for _ in range(warmup):
         step()
     times = []
@@ -174,6 +215,7 @@ def main():
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--tag", default="", help="a label for this process group's lines")
     parser.add_argument("--segments", action="store_true", help="also time each part of the step, device and host")
+    parser.add_argument("--trace", action="store_true", help="also print each rank's device timeline of a step's end")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: check that the modes run (timings mean nothing)")
     args = parser.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -198,7 +240,7 @@ def main():
             if rank == 0:
                 print(json.dumps({**info, "mode": f"allreduce-{str(dtype)[6:]}", **r}), flush=True)
     for mode in filter(None, args.modes.split(",")):  # --modes "": the all-reduce timings alone
-        if world == 1 and (MODES[mode][1] in ("wrapper", "after_backward") or MODES[mode][2] or MODES[mode][5:]):
+        if world == 1 and (MODES[mode][1] in ("wrapper", "after_backward", "after_backward_cat") or MODES[mode][2] or MODES[mode][5:]):
             continue  # DDP-only variants
         model, opt, sync = build(mode, device, world)
         compile_ = MODES[mode][0]
@@ -207,9 +249,10 @@ def main():
         parts = segment_times(model, opt, sync, objective, x, y, args.steps) if args.segments and x.is_cuda else {}
         line = {**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
                 "step_ms": round(sec / args.steps * 1000, 2), "rank": rank, **parts}
-        for r in range(world) if parts else [0]:  # with segments, every rank's line: is one rank slower?
+        tail = trace_tail(make_step(model, opt, sync, objective, x, y)) if args.trace and x.is_cuda else []
+        for r in range(world) if parts or tail else [0]:  # every rank's lines: is one rank slower?
             if rank == r:
-                print(json.dumps(line), flush=True)
+                print(json.dumps(line), *tail, sep="\n", flush=True)
             dist.barrier()
     dist.destroy_process_group()
 

@@ -2,11 +2,13 @@
 # On the GPU machine: install the carried wheels (hydra-core, omegaconf, antlr4), unzip the CIFAR-10 JPEGs
 # and decode them once into the cache every run then reads.
 # Usage: source bench/device_setup.sh   (expects .whl/ and .carry/cifar10-jpeg.zip carried with the call)
+#        NO_DATA=1 source bench/device_setup.sh   (the wheels only)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -c "import torch, hydra; print('torch', torch.__version__, 'hydra', hydra.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
+[ "${NO_DATA:-0}" = 1 ] && return 0
 mkdir -p data
 [ -d data/cifar10-jpeg ] || python3 -m zipfile -e .carry/cifar10-jpeg.zip data/
-python3 -c "import torch, hydra; print('torch', torch.__version__, 'hydra', hydra.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 python3 -c "
 import os
 from hydra import compose, initialize_config_dir

@@ -78,20 +78,32 @@ class FlatGradientSync:
     def __init__(self, params, dtype: torch.dtype | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.dtype = dtype  # fp16/bf16: fewer bytes on the wire, less exact
+        self._layout = None  # the gradients' strides, and a flat buffer with a view laid out like each
 
     def __call__(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        pieces, strides = zip(*(_in_memory_order(g) for g in grads))
-        flat = torch.cat(pieces)
-        if self.dtype is not None:
-            flat = flat.to(self.dtype)
-        dist.all_reduce(flat)
-        if self.dtype is not None:
-            flat = flat.to(grads[0].dtype)
-        offset = 0
-        for p, g, stride in zip(self.params, grads, strides):
-            p.grad = flat.as_strided(g.shape, stride, offset)
+        strides = [g.stride() for g in grads]
+        if self._layout is None or self._layout[0] != strides:
+            self._layout = (strides, *self._buffer(grads))
+        _, flat, views = self._layout
+        torch._foreach_copy_(views, grads)  # same strides: plain copies, in as few kernels as torch can
+        if self.dtype is None:
+            dist.all_reduce(flat)
+        else:
+            wire = flat.to(self.dtype)
+            dist.all_reduce(wire)
+            flat.copy_(wire)
+        for p, view in zip(self.params, views):
+            p.grad = view
+
+    @staticmethod
+    def _buffer(grads):
+        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        views, offset = [], 0
+        for g in grads:
+            views.append(flat.as_strided(g.shape, _in_memory_order(g)[1], offset))
             offset += g.numel()
+        return flat, views
 
 
 def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -66,8 +66,10 @@ def test_ddp_sync_bn_matches_single_with_batchnorm(single_reference, cfg_factory
     assert read_metrics(tmp_path / "run")["final"]["bn_buffers_in_sync"] is True
 
 
-def test_ddp_accumulation_matches_single_big_batch(single_reference, cfg_factory, tmp_path):
-    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "trainer.accumulate_grad_batches=2"))
+@pytest.mark.parametrize("sync", ["reducer", "after_backward"])
+def test_ddp_accumulation_matches_single_big_batch(single_reference, cfg_factory, tmp_path, sync):
+    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "trainer.accumulate_grad_batches=2",
+                       f"strategy.gradient_sync={sync}"))
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt")
 
 
