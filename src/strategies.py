@@ -70,9 +70,11 @@ class FlatGradientSync:
     DDP's reducer all-reduces buckets from per-parameter autograd hooks so that communication overlaps
     the backward. When the backward is one CUDA graph (compile_mode=reduce-overhead) every hook fires at
     its end: nothing is left to overlap, and one packed all-reduce after it measured faster in the loop
-    (2 x H200: 1.86x vs 1.82x one GPU with DDP's default reducer; bench/results/NOTES.md, sections 8-9).
-    The reduced buffer becomes the gradients (views with each parameter's own strides): one packing
-    copy, no unpacking.
+    (2 x H200: 1.86x vs 1.82x one GPU with DDP's default reducer; cutting the graph at buckets to overlap
+    was slower still; bench/results/NOTES.md, sections 8, 9 and 11).
+    The gradients are copied into a flat buffer kept from step to step (one foreach copy; a fresh
+    torch.cat every step cost ~0.12 ms more on the device), and the reduced buffer becomes the gradients:
+    views with each parameter's own strides, so there is no unpacking copy.
     """
 
     def __init__(self, params, dtype: torch.dtype | None = None):

@@ -279,9 +279,10 @@ class Run:
         self.scheduler.step()
 
     def _log_epoch(self, row: dict) -> None:
-        log.info("epoch %d/%d  train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% | %.2f s, %.0f img/s",
-                 row["epoch"], self.t.max_epochs, row["train_loss"], row["train_top1"], row.get("val_loss", math.nan),
-                 row.get("val_top1", math.nan), row["epoch_sec"], row["images_per_sec"])
+        evaluated = "".join(f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
+                            for split in ("val", "test") if f"{split}_loss" in row)  # the splits this epoch has
+        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s", row["epoch"], self.t.max_epochs,
+                 row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"], row["images_per_sec"])
         for key, value in row.items():
             if key != "epoch":
                 split, _, name = key.partition("_")

@@ -37,7 +37,19 @@ def test_cli_trains_and_writes_run_dir(tmp_path):
     for name in ("checkpoints/last.pt", "checkpoints/best.pt", ".hydra/config.yaml", "train.log"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
-    assert "global batch 128 = 128 per device" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "global batch 128 = 128 per device" in log
+    assert "epoch 2/2  train loss" in log and "| val loss" in log and "| test loss" not in log.split("epoch 2/2")[1].split("\n")[0]
+
+
+def test_epoch_line_shows_only_the_splits_evaluated(cfg_factory, caplog):
+    """Without a validation split no 'val loss nan' is printed; with test_every_epoch the test split is."""
+    from src.trainer import train
+
+    with caplog.at_level("INFO", logger="ddplab"):
+        train(cfg_factory("debug=fast", "data.val_fraction=0", "trainer.test_every_epoch=true", "trainer.max_epochs=1"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 1/1"))
+    assert "val loss" not in line and "nan" not in line and "| test loss" in line and "top-1" in line
 
 
 def test_default_run_reaches_95_percent_on_digits(tmp_path):
