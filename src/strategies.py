@@ -103,22 +103,19 @@ class FlatGradientSync:
         flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
         views, offset = [], 0
         for g in grads:
-            views.append(flat.as_strided(g.shape, _in_memory_order(g)[1], offset))
+            views.append(flat.as_strided(g.shape, _flat_layout_strides(g), offset))
             offset += g.numel()
         return flat, views
 
 
-def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A 1-d view of a dense tensor's elements in memory order (no copy), and the strides that lay such a
-    piece out as the tensor; a copy in logical order for any other tensor. One cheap call for the layouts
-    gradients have (contiguous, channels_last): this runs for every parameter at every step."""
-    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
-        return t.as_strided((t.numel(),), (1,)), t.stride()
+def _flat_layout_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides for a view of a flat buffer that holds `t`: its own when `t` is dense in any dimension order
+    (channels_last included), so the buffer keeps its memory order and copies in and out are plain;
+    contiguous ones for any other tensor."""
     order = sorted(range(t.dim()), key=t.stride, reverse=True)
-    dense = t.permute(order)
-    if dense.is_contiguous():
-        return dense.view(-1), t.stride()
-    return t.reshape(-1), torch.empty(t.shape, device="meta").stride()
+    if t.permute(order).is_contiguous():
+        return t.stride()
+    return torch.empty(t.shape, device="meta").stride()
 
 
 def _broadcast_from_rank0(module: nn.Module) -> None:

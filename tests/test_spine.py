@@ -476,15 +476,19 @@ def test_ddp_gradient_sync_auto_picks_after_backward_exactly_with_cuda_graphs():
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted", "strided_slice"])
-def test_flat_gradient_pieces_keep_each_layout(layout):
-    """after_backward packs each gradient in memory order and lays the reduced buffer back out with the
-    gradient's own strides: the round trip gives the tensor back, and a dense one is packed without a copy."""
-    from src.strategies import _in_memory_order
+def test_flat_gradient_buffer_keeps_each_layout(layout):
+    """after_backward's flat buffer holds each gradient in the gradient's own memory order (a plain copy in,
+    and the view that becomes the gradient has its strides); a non-dense tensor gets contiguous strides."""
+    from src.strategies import _flat_layout_strides
 
     base = torch.randn(4, 6, 5, 3)
     t = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
          "permuted": base.permute(2, 0, 3, 1), "strided_slice": base[:, ::2]}[layout]
-    piece, stride = _in_memory_order(t)
-    assert piece.shape == (t.numel(),)
-    assert torch.equal(piece.as_strided(t.shape, stride), t)
-    assert (piece.data_ptr() == t.data_ptr()) == (layout != "strided_slice")
+    flat = torch.zeros(t.numel() + 3)
+    view = flat.as_strided(t.shape, _flat_layout_strides(t), 3)
+    view.copy_(t)
+    assert torch.equal(view, t) and flat[:3].eq(0).all()
+    if layout == "strided_slice":
+        assert view.is_contiguous()
+    else:
+        assert view.stride() == t.stride() and torch.equal(flat[3:], t.as_strided((t.numel(),), (1,)))
