@@ -100,17 +100,23 @@ def cat_gradient_sync(params):
 
 
 def make_step(model, opt, sync, objective, x, y):
+    """One train step as the trainer runs it; `mark` is called after the forward, the backward, the gradient
+    sync and the optimizer (segment_times records its clocks there)."""
     scale = (1 if sync else dist.get_world_size()) / (len(y) * dist.get_world_size())  # as the trainer scales
 
-    def step():
+    def step(mark=lambda: None):
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the previous step's outputs are dead
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             loss, _ = objective(model(x), y, scale)
+        mark()
         loss.backward()
+        mark()
         if sync:
             sync()
+        mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark()
     return step
 
 
@@ -135,8 +141,7 @@ def trace_tail(step, steps: int = 3, last: int = 45) -> list[str]:
     return [f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} s{e['args'].get('stream', '?')} {e['name'][:70]}" for e in device]
 
 
-def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, steps: int) -> float:
-    step = make_step(model, opt, sync, objective, x, y)
+def time_steps(step, x, warmup: int, windows: int, steps: int) -> float:
     for _ in range(warmup):
         step()
     times = []
@@ -157,28 +162,21 @@ def time_steps(model, opt, sync, objective, x, y, warmup: int, windows: int, ste
     return statistics.median(times)
 
 
-def segment_times(model, opt, sync, objective, x, y, steps: int) -> dict:
+def segment_times(step, steps: int) -> dict:
     """Median per-step milliseconds of each part of the step, on the device (CUDA events) and on the host
     (time the Python calls take to return): if host time reaches device time, the host is the bottleneck."""
-    scale = (1 if sync else dist.get_world_size()) / (len(y) * dist.get_world_size())
     names = ("forward", "backward", "sync", "optimizer")
     device, host = {n: [] for n in names}, {n: [] for n in names}
     for _ in range(steps):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
-        clock = [time.perf_counter()]
-        events[0].record()
-        torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            loss, _ = objective(model(x), y, scale)
-        events[1].record(), clock.append(time.perf_counter())
-        loss.backward()
-        events[2].record(), clock.append(time.perf_counter())
-        if sync:
-            sync()
-        events[3].record(), clock.append(time.perf_counter())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        events[4].record(), clock.append(time.perf_counter())
+        events, clock = [], []
+
+        def mark():
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+            clock.append(time.perf_counter())
+
+        mark()
+        step(mark)
         for i, n in enumerate(names):
             device[n].append((events, i))
             host[n].append((clock[i + 1] - clock[i]) * 1000)
@@ -245,11 +243,12 @@ def main():
         model, opt, sync = build(mode, device, world)
         compile_ = MODES[mode][0]
         objective = build_loss_terms(bool(compile_), "default" if compile_ is True else (compile_ or "default"))
-        sec = time_steps(model, opt, sync, objective, x, y, args.warmup, args.windows, args.steps)
-        parts = segment_times(model, opt, sync, objective, x, y, args.steps) if args.segments and x.is_cuda else {}
+        step = make_step(model, opt, sync, objective, x, y)
+        sec = time_steps(step, x, args.warmup, args.windows, args.steps)
+        parts = segment_times(step, args.steps) if args.segments and x.is_cuda else {}
         line = {**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
                 "step_ms": round(sec / args.steps * 1000, 2), "rank": rank, **parts}
-        tail = trace_tail(make_step(model, opt, sync, objective, x, y)) if args.trace and x.is_cuda else []
+        tail = trace_tail(step) if args.trace and x.is_cuda else []
         for r in range(world) if parts or tail else [0]:  # every rank's lines: is one rank slower?
             if rank == r:
                 print(json.dumps(line), *tail, sep="\n", flush=True)

@@ -184,7 +184,7 @@ def wrap(model: nn.Module, cfg, device: torch.device, amp: bool, amp_dtype: torc
                 bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
                 static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
                 broadcast_buffers=cfg.broadcast_buffers)
-        if cfg.get("comm_hook") in ("fp16", "bf16"):  # halve the bytes of the gradient all-reduce
+        if cfg.get("comm_hook") in COMM_DTYPES:  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.comm_hook}_compress_hook"))
         return Wrapped(compiled(ddp) if scope == "wrapper" else ddp, model, name, ddp,
