@@ -29,6 +29,8 @@ def main():
     parser.add_argument("--gpus", type=int, default=None, help="default: all visible")
     parser.add_argument("--per-gpu", type=int, default=4, help="concurrent runs per GPU")
     parser.add_argument("--base", default="experiment=cifar10_94")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds; then stop the runs still going (their logs stay) and write the summary")
     args = parser.parse_args()
     import torch
 
@@ -37,6 +39,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     queue = [(r.split(":", 1)[0].strip(), r.split(":", 1)[1].split()) for r in args.recipes]
     running, done = [], {}
+    deadline = time.time() + args.time_limit if args.time_limit else float("inf")
     slots = [g for g in range(gpus) for _ in range(args.per_gpu)]
     while queue or running:
         while queue and slots:
@@ -48,6 +51,10 @@ def main():
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
             running.append((name, gpu, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
         time.sleep(2)
+        if time.time() > deadline:
+            queue.clear()
+            for _, _, proc in running:
+                proc.terminate()
         for item in list(running):
             name, gpu, proc = item
             if proc.poll() is not None:
@@ -63,13 +70,14 @@ def main():
             continue
         m = json.loads(metrics.read_text())
         curve = [(e["epoch"], round(e["train_sec_total"], 2), e.get("test_top1")) for e in m["epochs"]]
-        summary.append({"name": name, "overrides": r.split(":", 1)[1].strip(), "ok": True,
-                        "final_top1": m["final"]["test_top1"], "best_top1": max((c[2] or 0) for c in curve),
+        summary.append({"name": name, "overrides": r.split(":", 1)[1].strip(), "ok": m.get("status") == "completed",
+                        "final_top1": m.get("final", {}).get("test_top1"), "best_top1": max((c[2] or 0) for c in curve),
                         "epochs": len(curve), "curve": curve})
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for s in summary:
-        if s["ok"]:
-            print(f"{s['name']:<28} final {s['final_top1']:6.2f}  best {s['best_top1']:6.2f}  "
+        if "curve" in s:
+            final = "stopped" if not s["ok"] else f"{s['final_top1']:6.2f}"
+            print(f"{s['name']:<28} final {final:>7}  best {s['best_top1']:6.2f}  "
                   f"epochs {s['epochs']:3d}  | {s['overrides']}")
         else:
             print(f"{s['name']:<28} FAILED (see {out / s['name']}.log) | {s['overrides']}")

@@ -31,15 +31,25 @@ def draw_params(n: int, seed: int, epoch: int, pad: int = CROP_PAD,
     return torch.cat(parts, dim=1)
 
 
-def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD) -> torch.Tensor:
-    """Random crop with `pad` zero padding and horizontal flip, batched: B x C x H x W -> same shape."""
+def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices outside 0..size-1 mirrored about the edge pixels (-1 -> 1, size -> size - 2)."""
+    index = index.abs()
+    return torch.where(index > size - 1, 2 * (size - 1) - index, index)
+
+
+def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD, pad_mode: str = "zeros") -> torch.Tensor:
+    """Random crop of the image padded by `pad` pixels (pad_mode zeros or reflect) and horizontal flip,
+    batched: B x C x H x W -> same shape."""
     b, c, h, w = images.shape
-    padded = F.pad(images, (pad, pad, pad, pad))
-    rows = params[:, 0:1] + torch.arange(h, device=images.device)           # B x H
+    rows = params[:, 0:1] + torch.arange(h, device=images.device)           # B x H, in padded coordinates
     cols = params[:, 1:2] + torch.arange(w, device=images.device)           # B x W
+    if pad_mode == "reflect":  # read the unpadded image at mirrored indices
+        source, rows, cols = images, _reflect(rows - pad, h), _reflect(cols - pad, w)
+    else:
+        source = F.pad(images, (pad, pad, pad, pad))
     cols = torch.where(params[:, 2:3].bool(), cols.flip(1), cols)            # flipping = reversed columns
     batch = torch.arange(b, device=images.device)[:, None, None]
-    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # B x H x W x C
+    out = source.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # B x H x W x C
     return out.permute(0, 3, 1, 2)
 
 

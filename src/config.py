@@ -60,6 +60,11 @@ def check_types(cfg: DictConfig) -> None:
     augment = cfg.data.get("augment", "none")  # "auto" is resolved when the images are read (loaders.py checks)
     _expect(not cut or augment in ("crop_flip", "auto"),
             f"data.cutout={cut} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0")
+    pad_mode = cfg.data.get("pad_mode", "zeros")
+    _expect(pad_mode in ("zeros", "reflect"), f"data.pad_mode must be zeros or reflect, got {pad_mode!r}")
+    shift = t.get("tta_shift", 0)
+    _expect(isinstance(shift, int) and not isinstance(shift, bool) and shift >= 0,
+            f"trainer.tta_shift must be a number of pixels >= 0 (0 = off), got {shift!r}")
     vf = cfg.data.get("val_fraction", 0.0)
     _expect(isinstance(vf, (int, float)) and 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
     _expect(isinstance(cfg.seed, int), f"seed must be an integer, got {cfg.seed!r}")

@@ -15,18 +15,29 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> list[
     return [hits[:, :min(k, kmax)].any(dim=1).sum() for k in ks]
 
 
+def tta_views(x: torch.Tensor, flip: bool, shift: int) -> list[torch.Tensor]:
+    """The batch as the model sees it at test time: itself; with shift > 0 also moved `shift` pixels
+    down-right and up-left (edges filled by reflection); with flip, each of those mirrored too."""
+    views = [x]
+    if shift:
+        padded = F.pad(x, (shift, shift, shift, shift), mode="reflect")
+        h, w = x.shape[-2:]
+        views += [padded[..., :h, :w], padded[..., 2 * shift:, 2 * shift:]]
+    return views + [v.flip(3) for v in views] if flip else views
+
+
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, autocast, flip_tta: bool = False) -> dict[str, float]:
+def evaluate(model, batches, device: torch.device, autocast, flip_tta: bool = False,
+             tta_shift: int = 0) -> dict[str, float]:
     """Loss, top-1 and top-5 (percent) of `model` over the batches of every rank together.
-    flip_tta: score each image by the mean of the logits of the image and its mirror image."""
+    flip_tta / tta_shift: score each image by the mean logits over its `tta_views`."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, count
     count = 0
     for x, y in batches:
         with autocast():
-            logits = model(x)
-            if flip_tta:
-                logits = (logits.float() + model(x.flip(3)).float()) / 2
+            views = tta_views(x, flip_tta, tta_shift)
+            logits = sum(model(v).float() for v in views) / len(views)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
         top1, top5 = topk_correct(logits, y)
         totals[1] += top1

@@ -54,7 +54,8 @@ class MicroBatch:
 class _Transform:
     """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
-    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0):
+    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0,
+                 pad_mode: str = "zeros"):
         self.mean = torch.tensor(data.mean, device=device)
         self.std = torch.tensor(data.std, device=device)
         self.table = normalize_table(data.mean, data.std).to(device)
@@ -62,7 +63,7 @@ class _Transform:
         if cutout and not self.augment:
             raise ConfigError(f"data.cutout={cutout} needs the crop_flip augmentation, but this data uses "
                               f"{data.augment!r}; set data.cutout=0")
-        self.cutout = cutout
+        self.cutout, self.pad_mode = cutout, pad_mode
         self.image_size = tuple(data.image_size)
         self.channels_last = channels_last
 
@@ -73,7 +74,7 @@ class _Transform:
     def __call__(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         augment = params is not None and self.augment
         if augment:
-            images = crop_flip(images, params[:, :3])
+            images = crop_flip(images, params[:, :3], pad_mode=self.pad_mode)
         x = normalize(images, self.mean, self.std, self.table)
         if augment and self.cutout:
             x = cutout(x, params[:, 3:5], self.cutout)
@@ -88,11 +89,11 @@ class DeviceLoader:
     name = "gpu"
 
     def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int, cutout: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, pad_mode: str = "zeros"):
         self.device, self.seed = device, seed
         self.splits = {k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
                        for k in ("train", "val", "test")}
-        self.transform = _Transform(data, channels_last, device, cutout)
+        self.transform = _Transform(data, channels_last, device, cutout, pad_mode)
         # compiled: gather, crop, flip, normalize, cutout and layout become two kernels instead of ~15
         self._train_batch = torch.compile(self._augmented, dynamic=False) if compile else self._augmented
         self._ready = None  # (epoch, number of steps, augmentation draws, sample ids) prepared ahead
@@ -190,9 +191,9 @@ class ClassicLoader:
     name = "classic"
 
     def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, num_workers: int, seed: int,
-                 cutout: int = 0):
+                 cutout: int = 0, pad_mode: str = "zeros"):
         self.device = device
-        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout)
+        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout, pad_mode=pad_mode)
         self.channels_last = channels_last
         self.datasets = {k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory
                              else _FileBatches(getattr(data, k), cpu)) for k in ("train", "val", "test")}
@@ -249,11 +250,12 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
     """data.loader: gpu (device-resident), classic (DataLoader workers) or auto.
     compile (trainer.compile): compile the gpu loader's augmentation too."""
     choice = cfg.get("loader", "auto")
+    pad_mode = cfg.get("pad_mode", "zeros")
     if choice == "auto":
         choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
     if choice == "gpu":
         if not data.in_memory:
             raise ConfigError("data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
                               "or raise data.max_memory_gb")
-        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile)
-    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0))
+        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode)
+    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0), pad_mode)

@@ -111,6 +111,9 @@ class Run:
             # threads, so it would re-tune all convolutions at each step (measured: 50x slower)
             torch.backends.cudnn.benchmark = cfg.strategy.name != "dp"
         self.data = load_data(cfg.data)
+        if t.get("tta_shift", 0) >= min(self.data.image_size):
+            raise ConfigError(f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
+                              f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0")
         model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
         if t.channels_last and cfg.strategy.name != "fsdp":  # FSDP2 cannot shard non-contiguous weights;
             model = model.to(memory_format=torch.channels_last)  # its inputs stay channels_last
@@ -147,7 +150,8 @@ class Run:
         if limit:
             ids = ids[: limit * self.cfg.data.eval_batch_size]
         return evaluate(self.wrapped.eval_module(), self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
-                        self.device, self.autocast, flip_tta=self.t.flip_tta)
+                        self.device, self.autocast, flip_tta=self.t.flip_tta,
+                        tta_shift=self.t.get("tta_shift", 0))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:

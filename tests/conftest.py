@@ -41,16 +41,17 @@ def read_metrics(run_dir: Path) -> dict:
 
 
 def assert_compiled_loader_augments_like_eager(data, device: torch.device, batch: int, seed: int, epoch: int,
-                                               cutout: int) -> None:
+                                               cutout: int, pad_mode: str = "zeros") -> None:
     """The gpu loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
     (the classic path's arithmetic), bit for bit, in channels_last layout."""
     from src.loaders import DeviceLoader, plan_epoch
 
     steps = plan_epoch(len(data.train), batch, 1, 0, 1, seed=seed, epoch=epoch, drop_last=True)
     cpu = torch.device("cpu")
-    reference = list(DeviceLoader(data, cpu, True, seed=seed, cutout=cutout).train_batches(steps, epoch))
-    eager = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout).train_batches(steps, epoch))
-    compiled = list(DeviceLoader(data, device, True, seed=seed, cutout=cutout, compile=True).train_batches(steps, epoch))
+    options = dict(seed=seed, cutout=cutout, pad_mode=pad_mode)
+    reference = list(DeviceLoader(data, cpu, True, **options).train_batches(steps, epoch))
+    eager = list(DeviceLoader(data, device, True, **options).train_batches(steps, epoch))
+    compiled = list(DeviceLoader(data, device, True, compile=True, **options).train_batches(steps, epoch))
     assert len(reference) == len(eager) == len(compiled) == len(steps) > 1
     for r, e, c in zip(reference, eager, compiled):
         for b in (e, c):

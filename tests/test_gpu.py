@@ -54,4 +54,6 @@ def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
     from src.datasets import load_data
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=600").data)
-    assert_compiled_loader_augments_like_eager(data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8)
+    for pad_mode in ("zeros", "reflect"):
+        assert_compiled_loader_augments_like_eager(data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8,
+                                                   pad_mode=pad_mode)

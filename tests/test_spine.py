@@ -65,21 +65,26 @@ def test_default_run_reaches_95_percent_on_digits(tmp_path):
     assert metrics["test_top1"] >= 95.0
 
 
-@pytest.mark.parametrize("flip_tta", [False, True])
-def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory, flip_tta):
-    cfg = cfg_factory("data.eval_batch_size=7", f"trainer.flip_tta={str(flip_tta).lower()}")  # 51 batches + 3
+@pytest.mark.parametrize("flip_tta,shift", [(False, 0), (True, 0), (True, 1)])
+def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory, flip_tta, shift):
+    cfg = cfg_factory("data.eval_batch_size=7", f"trainer.flip_tta={str(flip_tta).lower()}",  # 51 batches + 3
+                      f"trainer.tta_shift={shift}")
     metrics = train(cfg)
     data = load_data(cfg.data)
     model = build_model(cfg.model, data.num_classes, data.channels)
     model.load_state_dict(weights(tmp_path / "run/checkpoints/best.pt"))
     model.eval()
     mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
+    x = (data.test.images.float() / 255 - mean) / std
+    h, w = x.shape[-2:]
+    views = [x]
+    if shift:  # numpy's reflect padding, cropped at the top-left and bottom-right corners
+        padded = torch.from_numpy(np.pad(x.numpy(), ((0, 0), (0, 0), (shift, shift), (shift, shift)), mode="reflect"))
+        views += [padded[:, :, :h, :w], padded[:, :, 2 * shift:, 2 * shift:]]
+    if flip_tta:  # one image at a time, mirrored by explicit column indexing
+        views += [torch.stack([img[:, :, list(range(w - 1, -1, -1))] for img in v]) for v in views]
     with torch.no_grad():
-        x = (data.test.images.float() / 255 - mean) / std
-        logits = model(x)
-        if flip_tta:  # one image at a time, mirrored by explicit column indexing
-            mirrored = torch.stack([img[:, :, list(range(img.shape[-1] - 1, -1, -1))] for img in x])
-            logits = (logits + model(mirrored)) / 2
+        logits = sum(model(v) for v in views) / len(views)
     y = data.test.labels
     assert metrics["test_count"] == len(y) == 360
     assert metrics["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
@@ -221,14 +226,15 @@ def test_cifar_missing_without_network_is_a_clear_error(tmp_path, cfg_factory):
         load_data(cfg.data)
 
 
-def test_crop_flip_matches_a_per_image_reference():
+@pytest.mark.parametrize("pad_mode,np_mode", [("zeros", "constant"), ("reflect", "reflect")])
+def test_crop_flip_matches_a_per_image_reference(pad_mode, np_mode):
     from src.augment import crop_flip
 
     images = torch.randint(0, 256, (5, 3, 6, 7), dtype=torch.uint8)
     params = torch.tensor([[0, 0, 0], [8, 8, 1], [4, 4, 0], [1, 7, 1], [3, 2, 0]])
-    out = crop_flip(images, params)
+    out = crop_flip(images, params, pad_mode=pad_mode)
     for img, (oy, ox, flip), got in zip(images, params.tolist(), out):
-        ref = F.pad(img, (4, 4, 4, 4))[:, oy:oy + 6, ox:ox + 7]
+        ref = torch.from_numpy(np.pad(img.numpy(), ((0, 0), (4, 4), (4, 4)), mode=np_mode))[:, oy:oy + 6, ox:ox + 7]
         assert torch.equal(got, ref.flip(-1) if flip else ref)
 
 
@@ -250,16 +256,16 @@ def test_cutout_matches_a_per_image_reference():
     assert with_cutout[:, 3].max() == 8 and with_cutout[:, 4].max() == 9 and with_cutout[:, 3:].min() == 0
 
 
-@pytest.mark.parametrize("cut", [0, 5])
-def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
+@pytest.mark.parametrize("cut,pad_mode", [(0, "zeros"), (5, "zeros"), (0, "reflect")])
+def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut, pad_mode):
     from src.loaders import ClassicLoader, DeviceLoader, plan_epoch
 
     cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
     data = load_data(cfg.data)
     steps = plan_epoch(len(data.train), 16, 1, 0, 2, seed=3, epoch=1)
     cpu = torch.device("cpu")
-    a = list(DeviceLoader(data, cpu, False, seed=3, cutout=cut).train_batches(steps, 1))
-    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut).train_batches(steps, 1))
+    a = list(DeviceLoader(data, cpu, False, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
+    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
     assert len(a) == len(b) == 2 * len(steps)
     for x, y in zip(a, b):
         assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.boundary == y.boundary
@@ -267,10 +273,12 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut):
     assert zeros > 0 if cut else zeros == 0
 
 
-def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory):
+@pytest.mark.parametrize("pad_mode", ["zeros", "reflect"])
+def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory, pad_mode):
     """trainer.compile also compiles the gpu loader's augmentation: same pixels, same layout."""
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
-    assert_compiled_loader_augments_like_eager(data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5)
+    assert_compiled_loader_augments_like_eager(data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5,
+                                               pad_mode=pad_mode)
 
 
 def test_normalize_lookup_equals_the_arithmetic():
@@ -377,6 +385,8 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be none, fp16"),
         (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
         (("data.cutout=4",), "data.cutout=4 needs data.augment=crop_flip, got 'none'"),
+        (("data.pad_mode=mirror",), "data.pad_mode must be zeros or reflect, got 'mirror'"),
+        (("trainer.tta_shift=-1",), "trainer.tta_shift must be a number of pixels >= 0"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
         (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
          "works with strategy=single or ddp, not fsdp"),
@@ -411,6 +421,8 @@ def test_data_errors(tmp_path, cfg_factory):
         build_loader(load_data(cfg.data), cfg.data, torch.device("cpu"), False, 0)
     with pytest.raises(ConfigError, match="does not exist"):
         load_data(cfg_factory("data=imagefolder", f"data.root={tmp_path}/missing").data)
+    with pytest.raises(ConfigError, match=r"trainer.tta_shift=8 must be smaller than the images \(8x8\)"):
+        train(cfg_factory("trainer.tta_shift=8"))
     (tmp_path / "flat/train").mkdir(parents=True)
     (tmp_path / "flat/train/img.png").write_bytes(b"")
     with pytest.raises(ConfigError, match="has no class folders"):
