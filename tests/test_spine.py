@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from src.config import ConfigError
@@ -368,6 +369,23 @@ def test_bad_cli_input_is_one_line_before_anything_runs(tmp_path, override, mess
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "r/metrics.json").exists() and not (tmp_path / "r/checkpoints").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf/experiment").glob("*.yaml")))
+def test_experiment_presets_compose_and_validate(tmp_path, name):
+    from src.config import check_types
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={name}", f"paths.root_dir={ROOT}"])
+    check_types(cfg)
+    if name == "cifar10_long":  # cifar10_94's recipe, changed only where NOTES section 12 says
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            base = compose("train", overrides=["experiment=cifar10_94", f"paths.root_dir={ROOT}"])
+        assert cfg.model._target_.endswith("cifar_resnet18") and base.model._target_.endswith("ResNet9")
+        assert (cfg.trainer.max_epochs, cfg.data.cutout, cfg.trainer.label_smoothing) == (200, 16, 0.1)
+        for key in ("lr", "weight_decay"):
+            assert cfg.optim[key] == base.optim[key]
+        assert cfg.trainer.tta_shift == base.trainer.tta_shift == 1 and cfg.data.root == base.data.root
 
 
 def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
