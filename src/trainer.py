@@ -127,6 +127,7 @@ class Run:
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
         fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
         self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)
+        self._last_plan = None
         self.steps_per_epoch = len(self._plan(0))
         self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal checks
         self.scheduler = instantiate(cfg.scheduler)(self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs,
@@ -137,11 +138,15 @@ class Run:
             self.writer = open_writer(self.run_dir)
 
     def _plan(self, epoch: int):
+        """The epoch's steps; the last plan is kept, as the next epoch's is made ahead for loader.prepare."""
+        if self._last_plan and self._last_plan[0] == epoch:
+            return self._last_plan[1]
         # with torch.compile a short last batch would trigger a recompile: drop it
         steps = plan_epoch(len(self.data.train), self.layout.global_batch, self.layout.world_size, self.env.rank,
                            self.layout.accumulate, self.cfg.seed, epoch, drop_last=self.t.compile)
         limit = self.t.limit_train_batches
-        return steps[:limit] if limit else steps
+        self._last_plan = (epoch, steps[:limit] if limit else steps)
+        return self._last_plan[1]
 
     def _eval(self, split: str) -> dict:
         n = len(getattr(self.data, split))

@@ -316,6 +316,22 @@ def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
     assert not torch.equal(fresh[1][0].x, fresh[2][0].x)
 
 
+def test_each_epoch_is_planned_once(cfg_factory, monkeypatch):
+    """The next epoch's plan, made ahead for the loader, is the one that epoch then runs."""
+    import src.trainer
+
+    planned = []
+
+    def counting(*args, **kwargs):
+        planned.append(kwargs["epoch"] if "epoch" in kwargs else args[6])
+        return plan_epoch(*args, **kwargs)
+
+    plan_epoch = src.trainer.plan_epoch
+    monkeypatch.setattr(src.trainer, "plan_epoch", counting)
+    train(cfg_factory("trainer.max_epochs=3"))
+    assert planned == [0, 1, 2]
+
+
 def test_objective_compiled_equals_eager_and_reference():
     from src.objective import build_loss_terms
 
