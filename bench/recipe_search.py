@@ -51,10 +51,11 @@ def main():
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
             running.append((name, gpu, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
         time.sleep(2)
-        if time.time() > deadline:
+        if time.time() > deadline:  # stop once: a second SIGTERM could cut a run's checkpoint save short
             queue.clear()
             for _, _, proc in running:
                 proc.terminate()
+            deadline = float("inf")
         for item in list(running):
             name, gpu, proc = item
             if proc.poll() is not None:
@@ -80,7 +81,7 @@ def main():
             print(f"{s['name']:<28} final {final:>7}  best {s['best_top1']:6.2f}  "
                   f"epochs {s['epochs']:3d}  | {s['overrides']}")
         else:
-            print(f"{s['name']:<28} FAILED (see {out / s['name']}.log) | {s['overrides']}")
+            print(f"{s['name']:<28} no metrics.json: stopped by --time-limit or failed (see {out / s['name']}.log) | {s['overrides']}")
 
 
 if __name__ == "__main__":

@@ -318,15 +318,16 @@ def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
 
 def test_each_epoch_is_planned_once(cfg_factory, monkeypatch):
     """The next epoch's plan, made ahead for the loader, is the one that epoch then runs."""
+    import inspect
+
     import src.trainer
 
-    planned = []
+    plan_epoch, planned = src.trainer.plan_epoch, []
 
     def counting(*args, **kwargs):
-        planned.append(kwargs["epoch"] if "epoch" in kwargs else args[6])
+        planned.append(inspect.signature(plan_epoch).bind(*args, **kwargs).arguments["epoch"])
         return plan_epoch(*args, **kwargs)
 
-    plan_epoch = src.trainer.plan_epoch
     monkeypatch.setattr(src.trainer, "plan_epoch", counting)
     train(cfg_factory("trainer.max_epochs=3"))
     assert planned == [0, 1, 2]
