@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
-SWEEP  ?= $(lastword $(sort $(wildcard multirun/*/*)))
+SWEEP  ?=
 
 .PHONY: help install train test test-fast report tensorboard bench slurm-install clean
 
@@ -27,11 +27,12 @@ test: install slurm-install  ## install, then the whole test suite (CPU; SLURM t
 test-fast: install  ## tests without the multi-process and SLURM ones
 	$(PY) -m pytest -q -m "not slow and not slurm" $(ARGS)
 
-report: install  ## results table of a sweep: make report SWEEP=multirun/<date>/<time>
+report: install  ## results table of SWEEP=multirun/<date>/<time> (default: the newest sweep with results)
 	$(PY) -m src.report $(SWEEP)
 
-tensorboard: install  ## TensorBoard over a sweep (default: the newest) or LOGDIR=...
-	$(VENV)/bin/tensorboard --logdir $(or $(LOGDIR),$(SWEEP),outputs)
+tensorboard: install  ## TensorBoard over outputs/ and multirun/ (or LOGDIR=/SWEEP=...) on PORT (default 6006)
+	$(VENV)/bin/tensorboard $(if $(or $(LOGDIR),$(SWEEP)),--logdir $(or $(LOGDIR),$(SWEEP)),\
+	--logdir_spec outputs:outputs,multirun:multirun) --port $(or $(PORT),6006)
 
 bench: install  ## speed benchmark (GPU); ARGS="--smoke" runs the tiny CPU mode
 	$(PY) bench/bench.py $(ARGS)

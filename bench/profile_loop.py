@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import src  # noqa: E402,F401  (registers the resolvers)
 from src.distributed import destroy_process_group  # noqa: E402
-from src.trainer import _StopRequest, prepare_run  # noqa: E402
+from src.signals import StopRequest  # noqa: E402
+from src.trainer import prepare_run  # noqa: E402
 
 
 def main():
@@ -39,14 +40,13 @@ def main():
         cfg.paths.output_dir = tempfile.mkdtemp(prefix="ddplab-profile-")
         cfg.trainer.max_epochs = max(cfg.trainer.max_epochs, 2)
     run = prepare_run(cfg)
-    run._build()
-    run.start, run.resumed_totals = (0, 0), None
-    stop = _StopRequest(elastic=True)
-    first = run._train_epoch(0, stop)
+    run.build()
+    stop = StopRequest(elastic=True)
+    first = run.train_epoch(0, stop)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        second = run._train_epoch(1, stop)
+        second = run.train_epoch(1, stop)
         wall = time.perf_counter() - start
     stop.restore()
     if run.primary:

@@ -12,7 +12,9 @@ from src.config import ConfigError
 
 
 def check_layout(cfg: DictConfig) -> None:
-    c, strategy = cfg.cluster, cfg.strategy.name
+    from src.strategies import build_strategy
+
+    c, strategy = cfg.cluster, build_strategy(cfg.strategy)
     nodes, tasks, gpus = c.nodes, c.tasks_per_node, c.get("gpus_per_node")
     if not (isinstance(nodes, int) and nodes >= 1 and isinstance(tasks, int) and tasks >= 1):
         hint = ("cluster.tasks_per_node follows cluster.gpus_per_node=null: on a CPU-only partition set "
@@ -28,15 +30,15 @@ def check_layout(cfg: DictConfig) -> None:
     if gpus is not None and tasks > gpus:
         raise ConfigError(f"cluster.tasks_per_node={tasks} > cluster.gpus_per_node={gpus}: one task drives one GPU; "
                           f"HINT: set cluster.tasks_per_node={gpus}")
-    if strategy in ("ddp", "fsdp") and world == 1:
-        raise ConfigError(f"strategy={strategy} with 1 rank (nodes=1 x tasks_per_node=1); HINT: set "
+    if strategy.multiprocess and world == 1:
+        raise ConfigError(f"strategy={strategy.name} with 1 rank (nodes=1 x tasks_per_node=1); HINT: set "
                           f"cluster.gpus_per_node=N (one task per GPU) or use strategy=single")
-    if strategy in ("single", "dp") and world > 1:
-        raise ConfigError(f"strategy={strategy} runs one process but the job has {world} tasks "
+    if not strategy.multiprocess and world > 1:
+        raise ConfigError(f"strategy={strategy.name} runs one process but the job has {world} tasks "
                           f"(nodes={nodes} x tasks_per_node={tasks}); HINT: use strategy=ddp or set "
                           f"cluster.tasks_per_node=1 cluster.nodes=1")
     devices = cfg.trainer.devices
-    if devices != "auto" and strategy in ("ddp", "fsdp") and devices != tasks:
+    if devices != "auto" and strategy.multiprocess and devices != tasks:
         raise ConfigError(f"trainer.devices={devices} but each node runs cluster.tasks_per_node={tasks} ranks; "
                           f"HINT: set trainer.devices=auto")
 

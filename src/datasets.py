@@ -1,19 +1,24 @@
 """The `data/` group: load a dataset into train / val / test splits.
 
+Each conf/data/<name>.yaml names its builder with `_target_` (a function taking the data config and returning
+a DataBundle); adding a dataset is one such function and one YAML starting with `defaults: [_common, _self_]`.
 Small datasets (digits, CIFAR, synthetic, ImageFolders that fit `data.max_memory_gb`) become uint8
 tensors N x C x H x W in memory, which both loaders (src/loaders.py) index directly. Larger
 ImageFolders stay on disk and are decoded by DataLoader workers.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
 
@@ -25,6 +30,74 @@ CIFAR_STATS = {
 }
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 SPLIT_SEED = 0  # the val/test carve-out is fixed, so runs with different seeds share their test set
+CACHE_VERSION = 2  # hashed into every decode-cache key: bump it when decoding changes
+
+
+# --- the data config: one table of rules --------------------------------------------------------------
+
+AUGMENTS = ("none", "crop_flip", "random_resized_crop", "auto")
+IN_MEMORY_AUGMENTS = ("none", "crop_flip")  # what the loaders apply to in-memory uint8 tensors
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# key: (test, what a valid value is). The shared keys (conf/data/_common.yaml) must be present.
+SHARED_KEYS = {
+    "batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "eval_batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "val_fraction": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "augment": (lambda v: v in AUGMENTS, f"one of {', '.join(AUGMENTS)}"),
+    "cutout": (lambda v: _is_int(v, 0), "a side length in pixels >= 0 (0 = off)"),
+    "pad_mode": (lambda v: v in ("zeros", "reflect"), "zeros or reflect"),
+    "num_workers": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "loader": (lambda v: v in ("auto", "classic", "gpu"), "auto, classic or gpu"),
+}
+# checked where a dataset has them
+OWN_KEYS = {
+    "test_fraction": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
+    "image_size": (lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
+    "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
+}
+
+
+def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
+    """The function `data._target_` names."""
+    target = cfg.get("_target_")
+    if not isinstance(target, str) or not target:
+        raise ConfigError("data._target_ is not set; a data YAML names its builder, "
+                          "e.g. _target_: src.datasets.load_imagefolder")
+    hydra_log = logging.getLogger("hydra.utils")  # get_method logs a failure over three lines, then raises it
+    was_disabled, hydra_log.disabled = hydra_log.disabled, True
+    try:
+        return get_method(target)
+    except Exception as exc:  # ImportError or ValueError; the last line says what to check
+        raise ConfigError(f"data._target_={target} cannot be imported as a function "
+                          f"({str(exc).strip().splitlines()[-1]})") from None
+    finally:
+        hydra_log.disabled = was_disabled
+
+
+def check_data_config(cfg: DictConfig) -> None:
+    """Every range and choice check of the data keys, in the launching process before any rank starts
+    (load_data calls it again, for direct callers)."""
+    missing = [key for key in cfg if OmegaConf.is_missing(cfg, key)]
+    if missing:
+        raise ConfigError(f"data.{missing[0]} must be set for data={cfg.get('name')}, e.g. data.{missing[0]}=...")
+    builder_of(cfg)
+    if not isinstance(cfg.get("name"), str):
+        raise ConfigError(f"data.name must be a string (the dataset's label in reports), got {cfg.get('name')!r}")
+    absent = [key for key in SHARED_KEYS if key not in cfg]
+    if absent:
+        raise ConfigError(f"data.{absent[0]} is missing; start the data YAML with `defaults: [_common, _self_]`")
+    for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
+        if key in cfg and not ok(cfg[key]):
+            raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
 
 
 @dataclass
@@ -56,14 +129,18 @@ class DataBundle:
         return self.train.images is not None
 
 
-def stratified_split(labels: torch.Tensor, fraction: float, seed: int = SPLIT_SEED):
-    """Indices (kept, held out) with `fraction` of every class held out."""
+def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val_fraction", seed: int = SPLIT_SEED):
+    """Indices (kept, held out) with `fraction` of every class held out; `key` names the setting in errors."""
     from sklearn.model_selection import train_test_split
 
     idx = np.arange(len(labels))
     if fraction <= 0:
         return torch.from_numpy(idx), torch.empty(0, dtype=torch.long)
-    keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
+    try:
+        keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
+    except ValueError as exc:  # sklearn: a side too small to hold every class once, or empty
+        raise ConfigError(f"{key}={fraction} cannot split {len(labels)} samples of {len(labels.unique())} "
+                          f"classes ({str(exc).strip().splitlines()[0]}); pick a value nearer 0.1") from None
     return torch.from_numpy(np.sort(keep)), torch.from_numpy(np.sort(held))
 
 
@@ -73,7 +150,8 @@ def _subset(split: Split, idx: torch.Tensor) -> Split:
     return Split(split.labels[idx], files=torch.utils.data.Subset(split.files, idx.tolist()))
 
 
-def _carve_val(train: Split, fraction: float) -> tuple[Split, Split]:
+def carve_val(train: Split, fraction: float) -> tuple[Split, Split]:
+    """(train, val) with `fraction` of every class of `train` moved to val (data.val_fraction)."""
     keep, held = stratified_split(train.labels, fraction)
     return _subset(train, keep), _subset(train, held)
 
@@ -89,34 +167,42 @@ def load_digits_data(cfg: DictConfig) -> DataBundle:
     raw = load_digits()
     images = torch.from_numpy(np.round(raw.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
     labels = torch.from_numpy(raw.target.astype(np.int64))
-    train_idx, test_idx = stratified_split(labels, cfg.get("test_fraction", 0.2))
+    train_idx, test_idx = stratified_split(labels, cfg.get("test_fraction", 0.2), "data.test_fraction")
     full = Split(labels, images=images)
-    train, val = _carve_val(_subset(full, train_idx), cfg.val_fraction)
+    train, val = carve_val(_subset(full, train_idx), cfg.val_fraction)
     mean, std = _channel_stats(train.images)
-    return DataBundle("digits", train, val, _subset(full, test_idx), 10, 1, (8, 8), mean, std,
+    return DataBundle(cfg.name, train, val, _subset(full, test_idx), 10, 1, (8, 8), mean, std,
                       cfg.get("augment", "none"), [str(i) for i in range(10)])
 
 
-def load_cifar(cfg: DictConfig) -> DataBundle:
+def _load_cifar(cfg: DictConfig, which: str) -> DataBundle:
     import torchvision
 
-    cls = torchvision.datasets.CIFAR10 if cfg.name == "cifar10" else torchvision.datasets.CIFAR100
+    cls = torchvision.datasets.CIFAR10 if which == "cifar10" else torchvision.datasets.CIFAR100
     root = Path(cfg.root)
-    archive = "cifar-10-python.tar.gz" if cfg.name == "cifar10" else "cifar-100-python.tar.gz"
+    archive = "cifar-10-python.tar.gz" if which == "cifar10" else "cifar-100-python.tar.gz"
     try:
         parts = [cls(str(root), train=flag, download=cfg.download) for flag in (True, False)]
     except Exception as exc:  # torchvision raises RuntimeError / URLError / OSError
-        raise ConfigError(f"{cfg.name} is not in {root} and could not be downloaded ({type(exc).__name__}); "
+        raise ConfigError(f"{which} is not in {root} and could not be downloaded ({type(exc).__name__}); "
                           f"place {archive} (or its extracted folder) in {root}, or set data.root") from None
 
     def to_split(ds) -> Split:
         return Split(torch.tensor(ds.targets, dtype=torch.long),
                      images=torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous())
 
-    train, val = _carve_val(to_split(parts[0]), cfg.val_fraction)
-    mean, std = CIFAR_STATS[cfg.name]
+    train, val = carve_val(to_split(parts[0]), cfg.val_fraction)
+    mean, std = CIFAR_STATS[which]
     return DataBundle(cfg.name, train, val, to_split(parts[1]), len(parts[0].classes), 3, (32, 32), mean, std,
                       cfg.get("augment", "crop_flip"), list(parts[0].classes))
+
+
+def load_cifar10(cfg: DictConfig) -> DataBundle:
+    return _load_cifar(cfg, "cifar10")
+
+
+def load_cifar100(cfg: DictConfig) -> DataBundle:
+    return _load_cifar(cfg, "cifar100")
 
 
 def load_synthetic(cfg: DictConfig) -> DataBundle:
@@ -127,8 +213,8 @@ def load_synthetic(cfg: DictConfig) -> DataBundle:
         return Split(torch.randint(0, cfg.num_classes, (n,), generator=g),
                      images=torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g))
 
-    train, val = _carve_val(make(cfg.num_samples), cfg.val_fraction)
-    return DataBundle("synthetic", train, val, make(cfg.num_test), cfg.num_classes, c, (h, w),
+    train, val = carve_val(make(cfg.num_samples), cfg.val_fraction)
+    return DataBundle(cfg.name, train, val, make(cfg.num_test), cfg.num_classes, c, (h, w),
                       (0.5,) * c, (0.29,) * c, cfg.get("augment", "none"))
 
 
@@ -141,49 +227,108 @@ def _check_folder(path: Path) -> None:
         raise ConfigError(f"{path} has no class folders; expected {path}/<class>/<image> (ImageFolder layout)")
 
 
-def _decode_folder(ds, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _unreadable(path, exc: Exception) -> ConfigError:
+    """One line naming a file that cannot be read or decoded (PIL's own messages repeat the path or span lines)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        why = "not an image format PIL can read"
+    elif isinstance(exc, OSError) and exc.strerror:
+        why = exc.strerror
+    else:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ConfigError(f"{path}: cannot read this image ({why}); remove or replace the file")
+
+
+def _open_rgb(path: str):
+    """ImageFolder's loader (in memory and in DataLoader workers): a bad file is named in one line."""
     from PIL import Image
 
-    images, labels = [], []
-    for path, label in ds.samples:
+    try:
         with Image.open(path) as img:
-            img = img.convert("RGB")
-            if size is not None and img.size != (size, size):
-                img = img.resize((size, size), Image.BILINEAR)
-            images.append(np.asarray(img))
-        labels.append(label)
+            return img.convert("RGB")
+    except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError... depending on the codec
+        raise _unreadable(path, exc) from None
+
+
+def _image_folder(folder: Path, transform=None):
+    import torchvision
+
+    ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=_open_rgb, allow_empty=True)
+    empty = sorted(set(ds.classes) - {ds.classes[t] for t in ds.targets})
+    if empty:  # torchvision's own error is a FileNotFoundError traceback
+        raise ConfigError(f"{folder}: class folder(s) {', '.join(empty[:5])} hold no images (.jpg, .png, ...); "
+                          f"add images or remove the folder(s)")
+    return ds
+
+
+def _decode_folder(ds, size: int | None) -> torch.Tensor:
+    from PIL import Image
+
+    images = []
+    for path, _ in ds.samples:
+        img = _open_rgb(path)
+        if size is not None and img.size != (size, size):
+            img = img.resize((size, size), Image.BILINEAR)
+        images.append(np.asarray(img))
     shapes = {a.shape for a in images}
     if len(shapes) > 1:
         raise ConfigError(f"{ds.root}: images differ in size {sorted(shapes)[:3]}...; set data.image_size")
-    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous(), torch.tensor(labels)
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
+
+
+def _cache_key(folder: Path, samples: list, size: int | None) -> str:
+    """A hash of everything the decoded array depends on: each file's path, label, size, mtime and inode."""
+    h = hashlib.sha256(f"v{CACHE_VERSION} size={size}\n".encode())
+    for path, label in samples:
+        try:
+            st = os.stat(path)
+        except OSError as exc:  # e.g. a broken symlink
+            raise _unreadable(path, exc) from None
+        # the inode too: renaming folders (two classes swapped) keeps every file's name, size and mtime
+        h.update(f"{os.path.relpath(path, folder)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _read_cache(cache: Path, count: int) -> torch.Tensor | None:
+    """The cached images, or None (with a warning) when the file is truncated, corrupt or not ours."""
+    try:
+        images = torch.load(cache, weights_only=True)["images"]
+        if isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.dim() == 4 \
+                and len(images) == count:
+            return images
+        why = "unexpected contents"
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    log.warning("decode cache %s is unreadable (%s); decoding the images again", cache, why)
+    return None
 
 
 def _cached_decode(folder: Path, ds, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode once; keep the uint8 array next to the data so the next run skips decoding."""
-    cache = folder.parent / ".ddplab-cache" / f"{folder.name}-{size or 'native'}-{len(ds.samples)}.pt"
-    if cache.exists():
-        blob = torch.load(cache, weights_only=True)
-        return blob["images"], blob["labels"]
-    images, labels = _decode_folder(ds, size)
+    """Decode once; keep the uint8 array next to the data, named by a hash of the files it came from,
+    so any change to them (added, removed, edited, relabelled) decodes again."""
+    stem = f"{folder.name}-{size or 'native'}"
+    cache = folder.parent / ".ddplab-cache" / f"{stem}-{_cache_key(folder, ds.samples, size)}.pt"
+    labels = torch.tensor(ds.targets, dtype=torch.long)  # always from the folders, never from the cache
+    images = _read_cache(cache, len(labels)) if cache.exists() else None
+    if images is not None:
+        return images, labels
+    log.info("decoding %d images of %s (cached in %s)", len(labels), folder, cache.parent)
+    images = _decode_folder(ds, size)
     try:
         cache.parent.mkdir(exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
         torch.save({"images": images, "labels": labels}, tmp)
         os.replace(tmp, cache)
+        for stale in cache.parent.glob(f"{stem}-*.pt"):  # earlier versions of this split: never read again
+            if stale != cache:
+                stale.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("could not cache decoded images at %s (%s)", cache, exc)
     return images, labels
 
 
-def _image_size_of(ds) -> tuple[int, int]:
-    from PIL import Image
-
-    with Image.open(ds.samples[0][0]) as img:
-        return img.size[1], img.size[0]
-
-
 def load_imagefolder(cfg: DictConfig) -> DataBundle:
-    import torchvision
     from torchvision.transforms import v2 as T
 
     root = Path(str(cfg.root))
@@ -194,47 +339,56 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
         raise ConfigError(f"{root} has train/ but neither val/ nor test/; add one of them")
     for folder in evals:
         _check_folder(folder)
-    base = {f.name: torchvision.datasets.ImageFolder(str(f)) for f in [root / "train", *evals]}
+    base = {f.name: _image_folder(f) for f in [root / "train", *evals]}
     classes = base["train"].classes
     for name, ds in base.items():
         if ds.classes != classes:
             raise ConfigError(f"{root}/{name} has classes {ds.classes[:5]}... but train/ has {classes[:5]}...; "
                               f"every split needs the same class folders")
     size = cfg.image_size
-    h, w = (size, size) if size else _image_size_of(base["train"])
+    h, w = (size, size) if size else _open_rgb(base["train"].samples[0][0]).size[::-1]
     augment = cfg.augment if cfg.augment != "auto" else ("crop_flip" if max(h, w) <= 64 else "random_resized_crop")
     n_total = sum(len(ds) for ds in base.values())
     fits = n_total * 3 * h * w <= cfg.max_memory_gb * 2**30 and augment != "random_resized_crop"
 
     if fits:
-        splits = {name: Split(*reversed(_cached_decode(root / name, ds, size))) for name, ds in base.items()}
+        splits = {}
+        for name, ds in base.items():
+            images, labels = _cached_decode(root / name, ds, size)
+            splits[name] = Split(labels, images=images)
     else:
-        train_tf = T.Compose([T.RandomResizedCrop((h, w), antialias=True), T.RandomHorizontalFlip(),
-                              T.PILToTensor()])
-        eval_tf = T.Compose([T.Resize(int(round(max(h, w) * 8 / 7)), antialias=True), T.CenterCrop((h, w)),
-                             T.PILToTensor()])
+        fixed = [T.Resize(int(round(max(h, w) * 8 / 7)), antialias=True), T.CenterCrop((h, w))]
+        # random resized crops only when asked for: crop_flip is applied later, on the fixed crop, by the loader
+        crop = [T.RandomResizedCrop((h, w), antialias=True), T.RandomHorizontalFlip()]
+        train_tf = T.Compose([*(crop if augment == "random_resized_crop" else fixed), T.PILToTensor()])
+        eval_tf = T.Compose([*fixed, T.PILToTensor()])
         splits = {name: Split(torch.tensor(ds.targets),
-                              files=torchvision.datasets.ImageFolder(str(root / name),
-                                                                     transform=train_tf if name == "train" else eval_tf))
+                              files=_image_folder(root / name, train_tf if name == "train" else eval_tf))
                   for name, ds in base.items()}
     train = splits["train"]
     if "val" in splits and "test" in splits:
         val, test = splits["val"], splits["test"]
     else:
-        train, val = _carve_val(train, cfg.val_fraction)
+        train, val = carve_val(train, cfg.val_fraction)
         test = splits.get("test", splits.get("val"))
     if fits:
         mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
     else:
         mean, std = IMAGENET_STATS
-    return DataBundle("imagefolder", train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
-
-
-LOADERS = {"digits": load_digits_data, "cifar10": load_cifar, "cifar100": load_cifar,
-           "imagefolder": load_imagefolder, "synthetic": load_synthetic}
+    return DataBundle(cfg.name, train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
 
 
 def load_data(cfg: DictConfig) -> DataBundle:
-    if cfg.name not in LOADERS:
-        raise ConfigError(f"data.name={cfg.name!r} is unknown; choose one of {sorted(LOADERS)}")
-    return LOADERS[cfg.name](cfg)
+    """Check the data config, call the builder `data._target_` names, and check what it returned."""
+    check_data_config(cfg)
+    data = builder_of(cfg)(cfg)
+    if not isinstance(data, DataBundle):
+        raise ConfigError(f"data._target_={cfg._target_} returned {type(data).__name__}, not a DataBundle")
+    if data.in_memory and data.augment not in IN_MEMORY_AUGMENTS:
+        raise ConfigError(f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
+                          f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}")
+    for split in ("train", "test"):
+        if not len(getattr(data, split)):
+            raise ConfigError(f"the {split} split of data={cfg.name} is empty; lower data.val_fraction "
+                              f"(or data.test_fraction)")
+    return data

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -16,6 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError, plan_layout
 from src.distributed import rank_env
+from src.resume import reconcile
+from src.runlock import RunLock
+from src.strategies import build_strategy
 from src.trainer import train
 
 log = logging.getLogger("ddplab")
@@ -28,25 +32,31 @@ def _hydra_mode() -> str | None:
     return str(HydraConfig.get().mode.name) if HydraConfig.initialized() else None
 
 
+def _command_line_overrides() -> list[str] | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
 def main(cfg: DictConfig) -> dict:
     env = rank_env()
     if env.launcher in ("torchelastic", "env") and _hydra_mode() == "MULTIRUN":
         raise ConfigError("a Hydra multirun (-m) under torchrun would run the whole sweep in every rank; "
                           "run `python train.py -m ...` without torchrun (ranks are started per job)")
+    cfg = reconcile(cfg, _command_line_overrides())  # a re-run in a run dir continues that run
     layout = plan_layout(cfg, env.world_size if env.external else None,
                          env.local_world_size if env.external else None)
-    if cfg.strategy.name == "fsdp":  # can FSDP shard this model? (built on the meta device: no memory, no time)
-        import torch
-        from src.models import build_model
-        from src.strategies import shard_targets
-        with torch.device("meta"):
-            shard_targets(build_model(cfg.model, num_classes=10, in_channels=3), cfg.strategy.shard_modules)
+    build_strategy(cfg.strategy).preflight(cfg)  # e.g. can FSDP shard this model?
     if cfg.train and cfg.trainer.resume not in (None, "none", "auto"):
         from src.checkpoint import load
         load(cfg.trainer.resume)  # unreadable or foreign file: fail before any process starts
-    if env.external or layout.world_size == 1:
-        return train(cfg)
-    return spawn(cfg, layout.world_size)
+    # one live run per run dir: held by the process the user started (or rank 0 of an external launcher),
+    # so the local launcher keeps it across worker restarts
+    lock = RunLock(cfg.paths.output_dir) if cfg.train and env.is_primary else contextlib.nullcontext()
+    with lock:
+        if env.external or layout.world_size == 1:
+            return train(cfg)
+        return spawn(cfg, layout.world_size)
 
 
 def _setup_worker_logging(run_dir: str, rank: int) -> None:
@@ -60,11 +70,8 @@ def _setup_worker_logging(run_dir: str, rank: int) -> None:
 
 def _worker(config: dict) -> dict:
     """Entry point of each rank started by the elastic launcher."""
-    import torch
-
     rank = int(os.environ["RANK"])
     _setup_worker_logging(config["paths"]["output_dir"], rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     try:
         return train(OmegaConf.create(config))
     except ConfigError as exc:

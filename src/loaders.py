@@ -234,15 +234,25 @@ class ClassicLoader:
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         requests = [(epoch, ids) for step in steps for ids in step.micro]
-        flat = iter(self._loader("train", requests))
+        flat = _one_line_errors(self._loader("train", requests))
         for step in steps:
             for k in range(len(step.micro)):
                 x, y = self._to_device(*next(flat))
                 yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
-        for x, y in self._loader(split, [(None, chunk) for chunk in ids.split(batch_size)]):
+        for x, y in _one_line_errors(self._loader(split, [(None, chunk) for chunk in ids.split(batch_size)])):
             yield self._to_device(x, y)
+
+
+def _one_line_errors(loader) -> Iterator:
+    """A bad input found in a worker (e.g. an unreadable image) comes back wrapped in the worker's traceback;
+    keep its own one line."""
+    try:
+        yield from loader
+    except ConfigError as exc:
+        last = str(exc).strip().splitlines()[-1]
+        raise ConfigError(last.split("ConfigError: ", 1)[-1]) from None
 
 
 def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int,

@@ -1,10 +1,15 @@
 """The `model/` group. Every builder takes num_classes and in_channels from the data."""
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
+from typing import Annotated
+
 import torch
 from torch import nn
 
 from src.config import ConfigError
+from src.schema import Positive, PositiveReal
 
 
 def cifar_resnet18(num_classes: int, in_channels: int = 3) -> nn.Module:
@@ -27,7 +32,8 @@ class ResNet9(nn.Module):
     resolution with max-pooling, residual pairs after the first and last, a max-pooled linear head
     whose logits are scaled down (keeps the early softmax soft at high learning rates)."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 64, logit_scale: float = 0.125):
+    def __init__(self, num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 64,
+                 logit_scale: Annotated[float, PositiveReal] = 0.125):
         super().__init__()
         w = width
         self.prep = _conv_bn(in_channels, w)
@@ -63,7 +69,8 @@ def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3) ->
 class TinyCNN(nn.Module):
     """Two convolutions and a linear head: a second-scale model for tests."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 16, batch_norm: bool = True):
+    def __init__(self, num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16,
+                 batch_norm: bool = True):
         super().__init__()
 
         def block(cin: int, cout: int, stride: int) -> nn.Sequential:
@@ -77,7 +84,50 @@ class TinyCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+def timm_classifier(name: str, num_classes: int, in_channels: int = 3, img_size: int | None = None,
+                    kwargs: Mapping | None = None) -> nn.Module:  # Mapping: a DictConfig passes src/schema.py
+    """Any timm model, randomly initialised (pretrained=False: nothing is downloaded). img_size is for the
+    models that fix their input size (ViTs); kwargs go to timm.create_model (e.g. patch_size, drop_path_rate)."""
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError("model=timm needs the timm package: pip install timm") from None
+    if not timm.is_model(name):  # also False for hf-hub: names, which would download a config
+        arch = name.split(":")[-1].split("/")[-1].split(".")[0]  # resnet18 of hf-hub:timm/resnet18.a1_in1k
+        # a substring catches a partial name (vit_tiny; names that start with it first), difflib a typo (resnt18)
+        close = sorted(timm.list_models(f"*{arch}*"), key=lambda m: not m.startswith(arch))[:6]
+        close = close or difflib.get_close_matches(arch, timm.list_models(), n=6)
+        hint = f"close names: {', '.join(close)}" if close else "timm.list_models('*part*') lists the names"
+        if ":" in name:
+            hint = f"hub names would download; name an architecture, e.g. {close[0] if close else 'resnet18'}"
+        raise ConfigError(f"model.name={name!r} is not a timm model; {hint}")
+    extra = dict(kwargs or {})
+    taken = sorted({"pretrained", "num_classes", "in_chans"} & extra.keys())
+    if taken:
+        raise ConfigError(f"model.kwargs.{taken[0]} is set by ddplab (random init; classes and channels come "
+                          f"from the data); remove it")
+    if img_size is not None:
+        extra["img_size"] = img_size
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **extra)
+    except TypeError as exc:
+        if "unexpected keyword argument" not in str(exc):
+            raise
+        # a keyword this architecture does not take (e.g. img_size for a ResNet) is a config mistake
+        raise ConfigError(f"model=timm model.name={name}: {exc}; drop that setting") from None
+
+
 def build_model(cfg, num_classes: int, in_channels: int) -> nn.Module:
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return instantiate(cfg, num_classes=num_classes, in_channels=in_channels)
+    try:
+        return instantiate(cfg, num_classes=num_classes, in_channels=in_channels)
+    except InstantiationException as exc:
+        # Hydra wraps a builder's error in a 5-line message; a bad model setting should stay ddplab's one line
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None

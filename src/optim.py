@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from src.schema import NonNegative, Range
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_norm_and_bias: bool) -> list[dict]:
@@ -51,12 +54,13 @@ class _OneCycle:
         return max(0.0, (self.total - step) / max(1, self.total - self.peak))
 
 
-def warmup_cosine(optimizer, total_steps: int, steps_per_epoch: int, warmup_epochs: float = 0,
-                  min_lr_ratio: float = 0.0):
+def warmup_cosine(optimizer, total_steps: int, steps_per_epoch: int,
+                  warmup_epochs: Annotated[float, NonNegative] = 0, min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0):
     return _lambda(optimizer, _Cosine(total_steps, int(warmup_epochs * steps_per_epoch), min_lr_ratio))
 
 
-def one_cycle(optimizer, total_steps: int, steps_per_epoch: int, pct_start: float = 0.25):
+def one_cycle(optimizer, total_steps: int, steps_per_epoch: int,
+              pct_start: Annotated[float, Range(0, 1, open_lo=True, open_hi=True)] = 0.25):
     return _lambda(optimizer, _OneCycle(total_steps, int(pct_start * total_steps)))
 
 

@@ -11,7 +11,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import Layout
-from src.strategies import ddp_gradient_sync
 
 log = logging.getLogger("ddplab")
 
@@ -28,18 +27,28 @@ def summarize(history: list[dict]) -> dict:
             "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
 
 
-def hparams(cfg: DictConfig, layout: Layout, loader: str) -> dict:
+def _choices(run_dir: Path) -> dict:
+    """The config group options the run was composed from (`model: small_cnn`), as Hydra recorded them."""
+    try:
+        return dict(OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices)
+    except Exception:  # no .hydra/ (a config composed in Python): the class names stand in
+        return {}
+
+
+def hparams(cfg: DictConfig, layout: Layout, strategy, loader: str, run_dir: Path) -> dict:
     """The settings a comparison is about (TensorBoard HParams, metrics.json, the report)."""
-    target = cfg.model.get("_target_", "")
-    t = cfg.trainer
-    return {"strategy": layout.strategy, "world_size": layout.world_size * layout.devices_per_process,
+    t, choices = cfg.trainer, _choices(run_dir)
+
+    def chosen(group: str) -> str:
+        return str(choices.get(group) or cfg[group].get("name") or cfg[group]._target_.rsplit(".", 1)[-1])
+
+    return {**strategy.hparams(cfg), "world_size": layout.world_size * layout.devices_per_process,
+            "processes": layout.world_size, "devices_per_process": layout.devices_per_process,
             "global_batch": layout.global_batch, "per_device_batch": layout.per_device_batch, "amp": t.amp,
-            "amp_dtype": t.amp_dtype, "sync_bn": bool(cfg.strategy.sync_bn),
-            "gradient_sync": (ddp_gradient_sync(cfg.strategy, t.compile, t.compile_mode)
-                              if layout.strategy == "ddp" else "none"),
-            "accumulate_grad_batches": layout.accumulate, "model": cfg.model.get("name", target.rsplit(".", 1)[-1]),
-            "data": cfg.data.name, "seed": cfg.seed, "lr": cfg.optim.lr, "loader": loader,
-            "compile": t.compile, "channels_last": t.channels_last}
+            "amp_dtype": t.amp_dtype, "accumulate_grad_batches": layout.accumulate, "model": chosen("model"),
+            "data": cfg.data.name, "optim": chosen("optim"), "scheduler": chosen("scheduler"),
+            "max_epochs": t.max_epochs, "seed": cfg.seed, "lr": cfg.optim.lr, "loader": loader,
+            "compile": t.compile, "channels_last": t.channels_last, "threads": torch.get_num_threads()}
 
 
 def log_final(final: dict) -> None:
@@ -70,15 +79,65 @@ def _finite(obj):
 
 
 def write_metrics(run_dir: Path, cfg: DictConfig, status: str, final: dict, history: list[dict],
-                  hparams: dict, device: torch.device) -> None:
-    """metrics.json, replaced atomically so a reader never sees half of it."""
+                  hparams: dict, device: torch.device, name: str = "metrics.json") -> None:
+    """metrics.json (eval.json for an evaluation), replaced atomically so a reader never sees half of it."""
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     metrics = {"status": status, "final": final, "epochs": history, "hparams": hparams, "overrides": overrides,
                "config": OmegaConf.to_container(cfg, resolve=True), "torch_version": torch.__version__,
                "device_name": device_name, "git_commit": _git_commit()}
-    tmp = run_dir / ".metrics.json.tmp"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{name}.tmp"
     tmp.write_text(json.dumps(_finite(metrics), indent=2, default=str))
-    tmp.replace(run_dir / "metrics.json")
-    log.info("outputs: %s (metrics.json, checkpoints/, tb/)", run_dir)
+    tmp.replace(run_dir / name)
+
+
+class Reporter:
+    """Rank 0's reporting: the epoch log line, the configured loggers, the final line and metrics.json."""
+
+    summarize = staticmethod(summarize)
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, strategy, loader: str, device: torch.device):
+        from src.loggers import Logger, build_loggers
+
+        self.cfg, self.run_dir, self.device = cfg, run_dir, device
+        self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
+        # an evaluation writes eval.json only: no logger files beside the training run's
+        self.loggers = build_loggers(cfg, run_dir) if cfg.train else Logger()
+
+    def epoch(self, row: dict) -> None:
+        t = self.cfg.trainer
+        evaluated = "".join(f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
+                            for split in ("val", "test") if f"{split}_loss" in row)  # the splits this epoch has
+        precision = f"amp {t.amp_dtype}" if t.amp else "fp32"
+        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s", row["epoch"], t.max_epochs,
+                 row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"], row["images_per_sec"], precision)
+        scalars = {}
+        for key, value in row.items():
+            if key != "epoch":
+                split, _, name = key.partition("_")
+                scalars[f"{split}/{name}" if split in ("train", "val", "test") else f"time/{key}"] = value
+        self.loggers.log_metrics(scalars, step=row["epoch"])
+
+    def final(self, final: dict, status: str, history: list[dict]) -> None:
+        if status == "evaluated":  # the checkpoint's training figures are not this run's: evaluation only
+            log.info("evaluated %s: test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images) | val top-1 %.2f%%",
+                     self.cfg.ckpt_path, final["test_loss"], final["test_top1"], final["test_top5"],
+                     final["test_count"], final["val_top1"])
+            write_metrics(self.run_dir, self.cfg, status, final, [], self.hparams, self.device, name="eval.json")
+            log.info("outputs: %s (eval.json)", self.run_dir)
+            return
+        log_final(final)
+        self.loggers.log_metrics({f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")},
+                                 step=len(history))
+        self.loggers.log_hparams(self.hparams, final)
+        write_metrics(self.run_dir, self.cfg, status, final, history, self.hparams, self.device)
+        log.info("outputs: %s (metrics.json, checkpoints/, logs)", self.run_dir)
+
+    def failed(self, status: str, history: list[dict]) -> None:
+        """A run that stopped without final metrics (e.g. diverged): metrics.json says so."""
+        write_metrics(self.run_dir, self.cfg, status, {}, history, self.hparams, self.device)
+
+    def close(self) -> None:
+        self.loggers.close()

@@ -3,39 +3,45 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import time
+import os
 from functools import partial
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src import checkpoint as ckpt
-from src import results
 from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
-from src.distributed import (RankEnv, all_reduce, destroy_process_group, init_process_group,
-                             rank_env, reduce_max)
+from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env
 from src.evaluate import evaluate
 from src.loaders import build_loader, eval_shard, plan_epoch
+from src.meter import EpochMeter
 from src.models import build_model
 from src.objective import build_loss_terms
 from src.optim import build_optimizer
-from src.strategies import Wrapped, full_state, load_full_state, replicas_agree, wrap
-from src.tb import open_writer, write_hparams
+from src.results import Reporter
+from src.signals import StopRequest
+from src.state import Checkpoints, Progress
+from src.strategies import Context, build_strategy
 
 log = logging.getLogger("ddplab")
 
 
-def prepare_run(cfg: DictConfig) -> Run:
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+def prepare_run(cfg: DictConfig) -> Trainer:
     """This rank's run: its layout validated, the process group joined (nothing built yet)."""
     env = rank_env()
     layout = plan_layout(cfg, env.world_size if env.external else None,
                          env.local_world_size if env.external else None)
-    return Run(cfg, env, layout, init_process_group(env, layout.device_type))
+    # declared threads per process, so single vs ddp on a CPU compares the same cores
+    threads = cfg.trainer.threads
+    torch.set_num_threads(threads if threads != "auto" else max(1, (os.cpu_count() or 1) // env.local_world_size))
+    return Trainer(cfg, env, layout, init_process_group(env, layout.device_type))
 
 
 def train(cfg: DictConfig) -> dict:
@@ -48,96 +54,66 @@ def train(cfg: DictConfig) -> dict:
         destroy_process_group()
 
 
-class _StopRequest:
-    """SIGUSR2 (submitit/SLURM, before a time limit or preemption) or SIGTERM: checkpoint, then exit.
-
-    Under torch's elastic launcher SIGTERM is left alone: the agent uses it to stop the surviving
-    workers of a failed group before it restarts them (they resume from the last epoch's checkpoint).
-    """
-
-    def __init__(self, elastic: bool):
-        self.signum, self.frame, self.previous = None, None, {}
-        for sig in (signal.SIGUSR2,) if elastic else (signal.SIGUSR2, signal.SIGTERM):
-            try:
-                self.previous[sig] = signal.signal(sig, self._catch)
-            except ValueError:  # not the main thread (e.g. a test runner thread): no handler
-                pass
-
-    def _catch(self, signum, frame):
-        self.signum, self.frame = signum, frame
-
-    def hand_over(self) -> None:
-        """After our checkpoint: let the previous handler act (submitit requeues), else exit."""
-        previous, self.previous = self.previous, {}   # exiting: nothing to restore
-        for sig in previous:   # a late copy of the signal (srun delivers to each task in turn) must not act twice
-            signal.signal(sig, signal.SIG_IGN)
-        prev = previous.get(self.signum)
-        if callable(prev):
-            prev(self.signum, self.frame)
-        raise SystemExit(128 + int(self.signum))
-
-    def restore(self) -> None:
-        for sig, prev in self.previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-
-
-class Run:
+class Trainer:
     def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
         self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
         self.t = cfg.trainer
         self.primary = env.is_primary
         self.run_dir = Path(cfg.paths.output_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
         amp_dtype = torch.bfloat16 if self.t.amp_dtype == "bf16" else torch.float16
-        if self.t.amp and amp_dtype == torch.bfloat16 and device.type == "cuda" and \
-                not torch.cuda.is_bf16_supported():
+        if self.t.amp and amp_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
         self.autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=self.t.amp)
+        self.loader = self.reporter = None
 
     def close(self) -> None:
-        if getattr(self, "loader", None) is not None:
-            self.loader.close()
+        for part in (self.loader, self.reporter):
+            if part is not None:
+                part.close()
 
-    # --- set-up ---------------------------------------------------------------------------------
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Data, model, strategy, optimizer, schedule and checkpoints: everything the loop needs."""
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.seed)
+        self.strategy = build_strategy(cfg.strategy)
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.backends.cudnn.benchmark = False
         elif self.device.type == "cuda":
-            # not for dp: cuDNN keeps its tuned plans per thread and DataParallel runs every step in new
-            # threads, so it would re-tune all convolutions at each step (measured: 50x slower)
-            torch.backends.cudnn.benchmark = cfg.strategy.name != "dp"
+            torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
         self.data = load_data(cfg.data)
-        if t.get("tta_shift", 0) >= min(self.data.image_size):
+        if t.tta_shift >= min(self.data.image_size):
             raise ConfigError(f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
                               f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0")
         model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
-        if t.channels_last and cfg.strategy.name != "fsdp":  # FSDP2 cannot shard non-contiguous weights;
-            model = model.to(memory_format=torch.channels_last)  # its inputs stay channels_last
-        self.wrapped: Wrapped = wrap(model, cfg.strategy, self.device, t.amp, self.amp_dtype,
-                                     self.layout.devices_per_process, compile=t.compile, compile_mode=t.compile_mode)
-        self.model = self.wrapped.model
+        if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
+            model = model.to(memory_format=torch.channels_last)
+        self.model = self.strategy.wrap(model, Context(self.device, t.amp, self.amp_dtype,
+                                                       self.layout.devices_per_process, t.compile, t.compile_mode))
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
-        self.rank_factor = self.layout.world_size if self.wrapped.averages_gradients else 1
-        # CUDA graphs (compile_mode reduce-overhead) reuse their output memory: mark where a step begins
+        # every strategy and accumulation gets the gradient of the mean loss over the global batch
+        self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
         self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
-        fused = self.device.type == "cuda" and cfg.strategy.name != "fsdp"
-        self.optimizer = build_optimizer(cfg.optim, self.wrapped.core, fused=fused)
+        self.optimizer = build_optimizer(cfg.optim, self.strategy.core,
+                                         fused=self.device.type == "cuda" and self.strategy.fused_optimizer)
         self._last_plan = None
-        self.steps_per_epoch = len(self._plan(0))
-        self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal checks
+        self.steps_per_epoch = len(self.plan(0))
+        if cfg.train and not self.steps_per_epoch:
+            raise ConfigError(f"data.batch_size={self.layout.global_batch} leaves 0 training steps per epoch for "
+                              f"{len(self.data.train)} training images; lower data.batch_size")
+        self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
         self.scheduler = instantiate(cfg.scheduler)(self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs,
                                                     steps_per_epoch=self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
-        self.writer = None
+        self.checkpoints = Checkpoints(self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler,
+                                       self.primary)
+        self.progress = Progress()
         if self.primary:
-            self.writer = open_writer(self.run_dir)
+            self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader.name, self.device)
 
-    def _plan(self, epoch: int):
+    def plan(self, epoch: int):
         """The epoch's steps; the last plan is kept, as the next epoch's is made ahead for loader.prepare."""
         if self._last_plan and self._last_plan[0] == epoch:
             return self._last_plan[1]
@@ -148,229 +124,125 @@ class Run:
         self._last_plan = (epoch, steps[:limit] if limit else steps)
         return self._last_plan[1]
 
-    def _eval(self, split: str) -> dict:
-        n = len(getattr(self.data, split))
-        ids = eval_shard(n, self.layout.world_size, self.env.rank)
-        limit = self.t.limit_eval_batches
-        if limit:
-            ids = ids[: limit * self.cfg.data.eval_batch_size]
-        return evaluate(self.wrapped.eval_module(), self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size),
-                        self.device, self.autocast, flip_tta=self.t.flip_tta,
-                        tta_shift=self.t.get("tta_shift", 0))
-
-    # --- checkpoints ------------------------------------------------------------------------------
-    def _resume_path(self) -> Path | None:
-        resume = self.t.resume
-        last = self.ckpt_dir / "last.pt"
-        if resume in (None, "none"):
-            if last.exists():
-                raise ConfigError(f"{self.run_dir} already holds a run (checkpoints/last.pt) and trainer.resume=none "
-                                  f"would overwrite it; use trainer.resume=auto or a new run directory")
-            return None
-        if resume == "auto":
-            return last if last.exists() else None
-        return Path(resume)
-
-    def _state(self, position: tuple[int, int], partial_totals: torch.Tensor | None) -> dict:
-        model_state, optim_state = full_state(self.wrapped, self.optimizer)
-        return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "epoch": position[0], "step": position[1],
-                "partial_totals": None if partial_totals is None else partial_totals.cpu(),
-                "best_val_top1": self.best_val_top1, "best_epoch": self.best_epoch, "history": self.history,
-                "rng": ckpt.rng_state(), "world_size": self.layout.world_size,
-                "strategy": self.cfg.strategy.name, "config": OmegaConf.to_container(self.cfg, resolve=True)}
-
-    def _save(self, name: str, state: dict) -> None:
-        if self.primary:
-            ckpt.save_atomic(state, self.ckpt_dir / name)
-
-    def _load_weights(self, path, with_optimizer: bool) -> dict:
-        state = ckpt.load(path)
-        ckpt.check_compatible(state, self.wrapped.core.state_dict(), path)
-        load_full_state(self.wrapped, self.optimizer if with_optimizer else None, state["model"],
-                        state["optimizer"] if with_optimizer else None)
-        return state
-
-    def _restore(self, path: Path) -> None:
-        state = self._load_weights(path, with_optimizer=True)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.start = (state["epoch"], state["step"])
-        self.resumed_totals = state["partial_totals"]
-        self.best_val_top1, self.best_epoch = state["best_val_top1"], state["best_epoch"]
-        self.history = state["history"]
-        ckpt.set_rng_state(state["rng"])
-        if self.primary:
-            log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
+    def evaluate(self, split: str) -> dict:
+        ids = eval_shard(len(getattr(self.data, split)), self.layout.world_size, self.env.rank)
+        if self.t.limit_eval_batches:
+            ids = ids[: self.t.limit_eval_batches * self.cfg.data.eval_batch_size]
+        batches = self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size)
+        return evaluate(self.strategy.eval_module(), batches, self.device, self.autocast, flip_tta=self.t.flip_tta,
+                        tta_shift=self.t.tta_shift)
 
     # --- the loop ---------------------------------------------------------------------------------
-    def _train_epoch(self, epoch: int, stop: _StopRequest) -> dict | None:
-        steps = self._plan(epoch)
-        first_step = self.start[1] if epoch == self.start[0] else 0
-        # loss sum, top-1 hits, samples: kept on the device (no host sync per step), reduced once per epoch
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if first_step and self.resumed_totals is not None and self.primary:  # the sum over ranks, counted once
-            totals += self.resumed_totals.to(self.device)
-        samples = 0
+    def train_epoch(self, epoch: int, stop: StopRequest) -> dict:
+        steps = self.plan(epoch)
+        p = self.progress
+        first = p.step if epoch == p.epoch else 0
+        meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
+        bar = tqdm(total=len(steps), initial=first, desc=f"epoch {epoch + 1}/{self.t.max_epochs}", leave=False,
+                   dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
         self.model.train()
-        bar = tqdm(total=len(steps), initial=first_step, desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
-                   leave=False, dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
-        wait, step_index = 0.0, first_step
-        if torch.distributed.is_initialized():  # start the clocks together (rank 0 may still be saving a checkpoint)
-            torch.distributed.barrier()
-        start = time.perf_counter()
-        batches = self.loader.train_batches(steps[first_step:], epoch)
-        while True:
-            t0 = time.perf_counter()
-            micro = next(batches, None)
-            wait += time.perf_counter() - t0
-            if micro is None:
-                break
-            if self.cudagraphs:
+        batches, step = self.loader.train_batches(steps[first:], epoch), first
+        while (micro := meter.next(batches)) is not None:
+            if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.wrapped.sync_context(micro.boundary), self.autocast():
-                # sum / (samples of the whole step), x world where the strategy averages over ranks:
-                # every strategy and accumulation gets the gradient of the mean loss over the global batch
+            with self.strategy.sync_context(micro.boundary), self.autocast():
+                # sum / (samples of the whole step), x world where the strategy averages over ranks
                 loss, metrics = self.loss_terms(self.model(micro.x), micro.y, self.rank_factor / micro.global_count,
                                                 self.t.label_smoothing)
             self.scaler.scale(loss).backward()
-            totals[:2] += metrics
-            samples += len(micro.y)
+            meter.add(metrics, len(micro.y))
             if not micro.boundary:
                 continue
-            self.wrapped.sync_gradients()
-            self._optimizer_step()
-            step_index += 1
+            self.strategy.sync_gradients()
+            self.optimizer_step()
+            step += 1
             bar.update(1)
-            if self._stop_requested(stop, step_index):
-                totals[2] += samples
-                all_reduce(totals)  # the checkpoint (rank 0's) holds every rank's partial sums
-                self._save("last.pt", self._state((epoch, step_index), totals))
-                if self.primary:
-                    log.warning("signal %s: saved checkpoints/last.pt at epoch %d step %d; exiting",
-                                stop.signum, epoch + 1, step_index)
-                stop.hand_over()
+            if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
+                bar.set_postfix(loss=f"{meter.totals[0].item() / max(meter.samples, 1):.4f}")
+            if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
+                self._save_and_exit(stop, epoch, step, meter)
         bar.close()
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
-            self.loader.prepare(self._plan(epoch + 1), epoch + 1)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = reduce_max(time.perf_counter() - start, self.device)
-        wait_fraction = all_reduce(torch.tensor([wait], dtype=torch.float64, device=self.device)).item() / self.layout.world_size
-        totals[2] += samples
-        loss_sum, hits, count = all_reduce(totals).tolist()
-        done = sum(s.global_count for s in steps[first_step:])
-        return {"train_loss": loss_sum / max(count, 1), "train_top1": 100 * hits / max(count, 1),
-                "epoch_sec": seconds, "images_per_sec": done / max(seconds, 1e-9),
-                "data_wait_fraction": wait_fraction / max(seconds, 1e-9), "lr": self.scheduler.get_last_lr()[0]}
+            self.loader.prepare(self.plan(epoch + 1), epoch + 1)
+        row = meter.finish(sum(s.global_count for s in steps[first:]))
+        return {**row, "lr": self.scheduler.get_last_lr()[0]}
 
-    def _stop_requested(self, stop: _StopRequest, step_index: int) -> bool:
-        """Has any rank caught a stop signal? Ranks agree through an all-reduce every few steps only,
-        because it waits for the device; a single process just reads its flag."""
-        if self.layout.world_size == 1:
-            return stop.signum is not None
-        if step_index % self.signal_check_every:
-            return False
-        # agree on the signal itself: a rank may act on one that only another rank has caught so far
-        # (rank 0 must still hand it to submitit, which requeues from global rank 0 only)
-        signum = int(reduce_max(float(stop.signum or 0), self.device))
-        if signum and stop.signum is None:
-            stop.signum = signum
-        return signum > 0
-
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         if self.t.grad_clip:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.wrapped.core.parameters(), self.t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.strategy.core.parameters(), self.t.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _log_epoch(self, row: dict) -> None:
-        evaluated = "".join(f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
-                            for split in ("val", "test") if f"{split}_loss" in row)  # the splits this epoch has
-        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s", row["epoch"], self.t.max_epochs,
-                 row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"], row["images_per_sec"])
-        for key, value in row.items():
-            if key != "epoch":
-                split, _, name = key.partition("_")
-                self.writer.add_scalar(f"{split}/{name}" if split in ("train", "val", "test") else f"time/{key}",
-                                       value, row["epoch"])
-        self.writer.flush()
+    def _save_and_exit(self, stop: StopRequest, epoch: int, step: int, meter: EpochMeter) -> None:
+        self.progress.epoch, self.progress.step = epoch, step
+        self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
+        self.checkpoints.save(["last.pt"], self.progress)
+        if self.primary:
+            log.warning("signal %s: saved checkpoints/last.pt in %s at epoch %d step %d; resume with: "
+                        "python train.py hydra.run.dir=%s", stop.signum, self.run_dir, epoch + 1, step, self.run_dir)
+        stop.hand_over()
 
-    def _fit(self) -> None:
-        stop = _StopRequest(elastic=self.env.launcher == "torchelastic")
+    def fit(self) -> None:
+        stop = StopRequest(elastic=self.env.launcher == "torchelastic")
         try:
-            for epoch in range(self.start[0], self.t.max_epochs):
-                row = {"epoch": epoch + 1, **self._train_epoch(epoch, stop)}
-                previous = self.history[-1]["train_sec_total"] if self.history else 0.0
-                row["train_sec_total"] = previous + row["epoch_sec"]  # training time only, for time-to-accuracy
-                if len(self.data.val):
-                    val = self._eval("val")
-                    row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
-                if self.t.test_every_epoch:  # a curve for time-to-accuracy; never used to pick weights
-                    test = self._eval("test")
-                    row.update(test_loss=test["loss"], test_top1=test["top1"], test_top5=test["top5"])
-                self.history.append(row)
-                # without a validation split the latest weights count as the best
-                is_best = not len(self.data.val) or row["val_top1"] > self.best_val_top1
-                if is_best:
-                    self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), epoch + 1
-                state = self._state((epoch + 1, 0), None)
-                if is_best:
-                    self._save("best.pt", state)
-                self._save("last.pt", state)
+            for epoch in range(self.progress.epoch, self.t.max_epochs):
+                row = {"epoch": epoch + 1, **self.train_epoch(epoch, stop)}
+                row["train_sec_total"] = self.progress.train_seconds + row["epoch_sec"]  # for time-to-accuracy
+                for split in ("val", "test") if self.t.test_every_epoch else ("val",):
+                    if len(getattr(self.data, split)):  # test every epoch: a curve, never used to pick weights
+                        row.update({f"{split}_{k}": v for k, v in self.evaluate(split).items() if k != "count"})
+                bad = [k for k in ("train_loss", "val_loss", "test_loss") if not math.isfinite(row.get(k, 0.0))]
+                if bad:  # NaN/inf weights or logits: every later number would be meaningless
+                    raise Diverged(f"the {bad[0].replace('_', ' ')} is {row[bad[0]]} in epoch {epoch + 1}; lower "
+                                   f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch")
+                is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
+                self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
                 if self.primary:
-                    self._log_epoch(row)
+                    self.reporter.epoch(row)
         finally:
             stop.restore()
 
     def execute(self) -> dict:
-        self._build()
-        self.start, self.resumed_totals = (0, 0), None
-        self.best_val_top1, self.best_epoch, self.history = -math.inf, 0, []
+        self.build()
         l = self.layout
-        if self.primary:
+        if self.primary and self.cfg.train:
             log.info("strategy=%s world_size=%d device=%s | global batch %d = %d per device x %d devices x %d "
                      "accumulation | %d steps/epoch", l.strategy, l.world_size, self.device.type, l.global_batch,
                      l.per_device_batch, l.world_size * l.devices_per_process, l.accumulate, self.steps_per_epoch)
         if self.cfg.train:
-            path = self._resume_path()
+            path = self.checkpoints.resume_path()
             if path is not None:
-                self._restore(path)
-            self._fit()
+                self.progress = self.checkpoints.restore(path)
+            try:
+                self.fit()
+            except Diverged as exc:
+                if self.primary:
+                    self.reporter.failed("diverged", self.progress.history)
+                raise ConfigError(str(exc)) from None
             # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
-            self.wrapped.sync_buffers()
-            in_sync = replicas_agree(self.wrapped.core, self.device)
+            self.strategy.sync_buffers()
+            in_sync = self.strategy.replicas_agree(self.device)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-            best = self.ckpt_dir / "best.pt"
-            weights = best if best.exists() else self.ckpt_dir / "last.pt"
-            self._load_weights(weights, with_optimizer=False)
+            self.checkpoints.load_weights(self.checkpoints.final_weights())
             status = "completed"
         else:
             if not self.cfg.ckpt_path:
                 raise ConfigError("train=false needs ckpt_path=<checkpoint file> to evaluate")
-            state = self._load_weights(self.cfg.ckpt_path, with_optimizer=False)
-            self.history, self.best_epoch = state.get("history", []), state.get("best_epoch", 0)
+            state = self.checkpoints.load_weights(self.cfg.ckpt_path)
+            self.progress = Progress(best_epoch=state.get("best_epoch", 0))  # its training figures stay its own
             status = "evaluated"
-            in_sync = replicas_agree(self.wrapped.core, self.device)
-        val = self._eval("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
-        test = self._eval("test")
+            self.strategy.sync_buffers()
+            in_sync = self.strategy.replicas_agree(self.device)
+        val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
+        test = self.evaluate("test")
         final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
                  "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
-                 "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.best_epoch,
-                 **results.summarize(self.history), **in_sync}
+                 "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.progress.best_epoch,
+                 **Reporter.summarize(self.progress.history), **in_sync}
         if self.primary:
-            self._report(final, status)
+            self.reporter.final(final, status, self.progress.history)
         return final
-
-    def _report(self, final: dict, status: str) -> None:
-        hparams = results.hparams(self.cfg, self.layout, self.loader.name)
-        results.log_final(final)
-        for key in ("test_loss", "test_top1", "test_top5"):
-            self.writer.add_scalar(f"test/{key[5:]}", final[key], len(self.history))
-        write_hparams(self.writer, hparams, final)
-        self.writer.close()
-        results.write_metrics(self.run_dir, self.cfg, status, final, self.history, hparams, self.device)

@@ -167,7 +167,7 @@ class SlurmCluster:
             for name, _ in self.nodes:
                 cmd = [_which("slurmd"), "-D", "-N", name]
                 if self.uts_namespaces:
-                    cmd = [_which("unshare"), "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', name] + cmd
+                    cmd = [_which("unshare"), "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name] + cmd
                 self._spawn(f"slurmd.{name}", cmd, self.workdir / "log" / f"slurmd.{name}.log")
             self._wait("slurmd.*", deadline, self._nodes_idle)
             self._wait("slurmdbd", deadline, self._cluster_registered)

@@ -1,4 +1,4 @@
-"""Sweep report (src/report.py) and TensorBoard summaries (src/tb.py).
+"""Sweep report (src/report.py) and TensorBoard summaries (src/loggers.py).
 
 Sweeps are built in tmp_path with the real layout (job dirs named like Hydra's override_dirname,
 `.hydra/overrides.yaml`, `metrics.json`); expected means/stds are computed here from the same
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from src import report
-from src.tb import open_writer, write_hparams
+from src.loggers import open_writer, write_hparams
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = "data.batch_size=128"

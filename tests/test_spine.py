@@ -1,6 +1,7 @@
 """The spine on one process: CLI, default run, exact metrics, checkpoints, resume, data, bad input."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -110,7 +111,9 @@ def test_eval_only_reproduces_the_final_metrics(tmp_path, cfg_factory):
     evaluated = train(cfg)
     for key in ("test_loss", "test_top1", "test_top5", "val_top1"):
         assert evaluated[key] == pytest.approx(trained[key], rel=1e-6)
-    assert read_metrics(tmp_path / "eval/run")["status"] == "evaluated"
+    ev = json.loads((tmp_path / "eval/run/eval.json").read_text())
+    assert ev["status"] == "evaluated" and ev["final"]["test_top1"] == pytest.approx(trained["test_top1"], rel=1e-6)
+    assert not (tmp_path / "eval/run/metrics.json").exists() and ev["epochs"] == []
 
 
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
@@ -143,22 +146,6 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
     for key in ("test_loss", "test_top1", "test_top5", "best_val_top1"):
         assert b["final"][key] == pytest.approx(a["final"][key], rel=1e-6), key
     assert [r["train_loss"] for r in b["epochs"]] == pytest.approx([r["train_loss"] for r in a["epochs"]], rel=1e-6)
-
-
-def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
-    from src import checkpoint as ckpt
-
-    target = tmp_path / "c/last.pt"
-    ckpt.save_atomic({"model": {"w": torch.ones(2)}}, target)
-
-    def broken_save(obj, path):
-        Path(path).write_bytes(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
-        ckpt.save_atomic({"model": {"w": torch.zeros(2)}}, target)
-    assert torch.equal(ckpt.load(target)["model"]["w"], torch.ones(2))  # the old file is intact
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -395,7 +382,7 @@ def test_experiment_presets_compose_and_validate(tmp_path, name):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={name}", f"paths.root_dir={ROOT}"])
     check_types(cfg)
-    if name == "cifar10_long":  # cifar10_94's recipe, changed only where NOTES section 12 says
+    if name == "cifar10_long":  # cifar10_94's recipe, changed only where its report says
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             base = compose("train", overrides=["experiment=cifar10_94", f"paths.root_dir={ROOT}"])
         assert cfg.model._target_.endswith("cifar_resnet18") and base.model._target_.endswith("ResNet9")
@@ -417,11 +404,11 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("strategy=ddp", "trainer.devices=999"), "only 2 CPU core(s) are available"),
         (("data.batch_size=10", "trainer.accumulate_grad_batches=3"), "not divisible"),
         (("trainer.amp=yes",), "trainer.amp must be true or false"),
-        (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be none, fp16"),
+        (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be one of none, fp16, bf16"),
         (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
         (("data.cutout=4",), "data.cutout=4 needs data.augment=crop_flip, got 'none'"),
         (("data.pad_mode=mirror",), "data.pad_mode must be zeros or reflect, got 'mirror'"),
-        (("trainer.tta_shift=-1",), "trainer.tta_shift must be a number of pixels >= 0"),
+        (("trainer.tta_shift=-1",), "trainer.tta_shift must be an integer >= 0"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
         (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
          "works with strategy=single or ddp, not fsdp"),
@@ -510,16 +497,13 @@ def test_compiled_loop_trains_like_eager(cfg_factory, tmp_path):
 
 
 def test_ddp_gradient_sync_auto_picks_after_backward_exactly_with_cuda_graphs():
-    from omegaconf import OmegaConf
+    from src.strategies import DDP
 
-    from src.strategies import ddp_gradient_sync
-
-    auto = OmegaConf.create({"gradient_sync": "auto"})
-    assert ddp_gradient_sync(auto, True, "reduce-overhead") == "after_backward"
+    assert DDP().resolved_gradient_sync(True, "reduce-overhead") == "after_backward"  # the YAML's auto
     for compile_, mode in ((True, "default"), (False, "reduce-overhead"), (True, "max-autotune")):
-        assert ddp_gradient_sync(auto, compile_, mode) == "reducer"
+        assert DDP().resolved_gradient_sync(compile_, mode) == "reducer"
     for explicit in ("reducer", "after_backward"):
-        assert ddp_gradient_sync(OmegaConf.create({"gradient_sync": explicit}), True, "reduce-overhead") == explicit
+        assert DDP(gradient_sync=explicit).resolved_gradient_sync(True, "reduce-overhead") == explicit
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted", "strided_slice"])

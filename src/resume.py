@@ -1,0 +1,96 @@
+"""A re-run in an existing run directory is the same run: its checkpoint's config, changed only where
+the change cannot alter the result; an evaluation takes the checkpoint's model unless told otherwise."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.checkpoint import load
+from src.schema import ConfigError
+
+# Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
+# strategy and device count may change because the global batch, not the per-device one, defines the math.
+MAY_CHANGE = ("strategy", "cluster", "paths", "logger", "hydra", "train", "ckpt_path", "trainer.devices",
+              "trainer.device", "trainer.progress_bar", "trainer.max_restarts", "trainer.resume", "trainer.threads",
+              "trainer.limit_eval_batches", "trainer.test_every_epoch", "data.num_workers", "data.loader",
+              "data.eval_batch_size", "data.root", "data.max_memory_gb", "data.download")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+
+
+def _explicit(overrides: list[str] | None) -> set[str] | None:
+    """Keys the user set on this command line (None: unknown, e.g. a config composed in Python)."""
+    if overrides is None:
+        return None
+    keys = set()
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        keys.add(key)
+    return keys
+
+
+def _set_by_user(key: str, explicit: set[str] | None) -> bool:
+    if explicit is None:
+        return True
+    return any(key == k or key.startswith(k + ".") for k in explicit)  # `model=x` sets model.*
+
+
+def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
+    """The config this invocation must run with. Training into a run dir that holds a checkpoint continues
+    it with the checkpoint's config: values the user did not set come from the checkpoint, values the user
+    set that change the result are refused in one line. Evaluation takes the checkpoint's model config."""
+    explicit = _explicit(overrides)
+    if not cfg.train:
+        if not cfg.ckpt_path:
+            return cfg
+        saved = load(cfg.ckpt_path).get("config")
+        if saved and not _set_by_user("model", explicit):
+            with open_dict(cfg):
+                cfg.model = OmegaConf.create(saved["model"])
+        return cfg
+    resume = cfg.trainer.resume
+    path = Path(cfg.paths.output_dir) / "checkpoints" / "last.pt" if resume == "auto" else \
+        None if resume in (None, "none") else Path(resume)
+    if path is None or not path.exists():
+        return cfg
+    saved = load(path).get("config")
+    if not saved:
+        return cfg
+    now = _flat(OmegaConf.to_container(cfg, resolve=True))
+    before = _flat(saved)
+    refused, kept = [], {}
+    for key in sorted(set(now) | set(before)):
+        if _may_change(key) or now.get(key) == before.get(key):
+            continue
+        if _set_by_user(key, explicit):
+            refused.append(f"{key}={now.get(key)!r} (checkpoint: {before.get(key)!r})")
+        else:
+            kept[key] = before.get(key)
+    if refused:
+        raise ConfigError(f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
+                          f"drop these overrides to continue it, or start a new run (another hydra.run.dir)")
+    if kept:
+        merged = OmegaConf.to_container(cfg, resolve=True)
+        for key, value in kept.items():
+            parent, *_ = key.rsplit(".", 1)
+            node = merged
+            for part in key.split(".")[:-1]:
+                node = node.setdefault(part, {})
+            if value is None and key not in before:
+                node.pop(key.rsplit(".", 1)[-1], None)
+            else:
+                node[key.rsplit(".", 1)[-1]] = value
+        cfg = OmegaConf.create(merged)
+    return cfg

@@ -1,0 +1,94 @@
+"""What a run must remember to resume: its position, best epoch and history, and the checkpoints that hold them."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src import checkpoint as ckpt
+from src.schema import ConfigError
+
+log = logging.getLogger("ddplab")
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every checkpoint."""
+
+    epoch: int = 0                 # the epoch to run next (or the one interrupted)
+    step: int = 0                  # optimizer steps of `epoch` already done (a mid-epoch checkpoint)
+    partial_totals: torch.Tensor | None = None  # that epoch's loss sum / hits / samples so far, over all ranks
+    best_val_top1: float = -math.inf
+    best_epoch: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def record(self, row: dict, has_val: bool) -> bool:
+        """Add an epoch's row; True if its weights are the best so far (no validation split: the latest)."""
+        self.history.append(row)
+        is_best = not has_val or row["val_top1"] > self.best_val_top1
+        if is_best:
+            self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), row["epoch"]
+        self.epoch, self.step, self.partial_totals = row["epoch"], 0, None
+        return is_best
+
+    @property
+    def train_seconds(self) -> float:
+        return self.history[-1]["train_sec_total"] if self.history else 0.0
+
+
+class Checkpoints:
+    """`<run dir>/checkpoints/{last,best}.pt`: written by rank 0 atomically, read by every rank."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
+        self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
+        self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
+
+    def resume_path(self) -> Path | None:
+        resume, last = self.cfg.trainer.resume, self.dir / "last.pt"
+        if resume in (None, "none"):
+            if last.exists():
+                raise ConfigError(f"{self.dir.parent} already holds a run (checkpoints/last.pt) and "
+                                  f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run directory")
+            return None
+        if resume == "auto":
+            return last if last.exists() else None
+        return Path(resume)
+
+    def save(self, names: list[str], progress: Progress) -> None:
+        """Collective (the state is gathered under fsdp); rank 0 writes."""
+        model_state, optim_state = self.strategy.state_dict(self.optimizer)
+        totals = progress.partial_totals
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict(), "epoch": progress.epoch, "step": progress.step,
+                 "partial_totals": None if totals is None else totals.cpu(),
+                 "best_val_top1": progress.best_val_top1, "best_epoch": progress.best_epoch,
+                 "history": progress.history, "rng": ckpt.rng_state(), "strategy": self.strategy.name,
+                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        if self.primary:
+            for name in names:
+                ckpt.save_atomic(state, self.dir / name)
+
+    def load_weights(self, path, with_optimizer: bool = False) -> dict:
+        state = ckpt.load(path)
+        ckpt.check_compatible(state, self.strategy.core.state_dict(), path)
+        self.strategy.load_state_dict(state["model"], self.optimizer if with_optimizer else None,
+                                      state["optimizer"] if with_optimizer else None)
+        return state
+
+    def restore(self, path: Path) -> Progress:
+        state = self.load_weights(path, with_optimizer=True)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        if self.primary:
+            log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
+        return Progress(state["epoch"], state["step"], state["partial_totals"], state["best_val_top1"],
+                        state["best_epoch"], state["history"])
+
+    def final_weights(self) -> Path:
+        best = self.dir / "best.pt"
+        return best if best.exists() else self.dir / "last.pt"
