@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast report tensorboard bench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -21,8 +21,16 @@ install: $(VENV)/.installed  ## create/reuse .venv and install requirements.txt
 train: install  ## train with the default config (digits, CPU or GPU); pass overrides as ARGS="strategy=ddp ..."
 	$(PY) train.py $(ARGS)
 
-test: install slurm-install  ## install, then the whole test suite (CPU; SLURM tests skip where slurm can't be installed)
+test: install slurm-install lint  ## install, lint, then the whole test suite (CPU; SLURM tests skip where slurm can't be installed)
 	$(PY) -m pytest -q $(ARGS)
+
+lint: install  ## ruff: lint and format check (pyproject.toml); `make format` rewrites
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install  ## ruff: fix what can be fixed and format
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-fast: install  ## tests without the multi-process and SLURM ones
 	$(PY) -m pytest -q -m "not slow and not slurm" $(ARGS)

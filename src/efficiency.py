@@ -110,7 +110,7 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
     last reset_peak. CPU: the whole process's peak resident set (host memory, since the process started)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return {"peak_mem_allocated_gb": torch.cuda.max_memory_allocated(device) / GIB,
+        return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / GIB,
                 "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GIB}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_host_mem_gb": rss * (1 if sys.platform == "darwin" else 1024) / GIB}  # macOS: bytes, Linux: KiB

@@ -13,7 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 # Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
-METRICS = ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch", "images_per_sec")
+METRICS = ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch", "images_per_sec", "peak_mem_gb",
+           "peak_host_mem_gb", "tflops_per_gpu", "mfu")
 
 
 class Logger:

@@ -29,9 +29,9 @@ from pathlib import Path
 import yaml
 
 METRICS = ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec")
-OPTIONAL_METRICS = ("peak_mem_gb", "tflops_per_gpu", "mfu")  # a column only when some job reports it
+OPTIONAL_METRICS = ("peak_mem_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")  # a column only when some job reports it
 FORMATS = {"test_loss": ".4f", "test_top1": ".2f", "test_top5": ".2f", "sec_per_epoch": ".3f",
-           "images_per_sec": ".1f", "peak_mem_gb": ".2f", "tflops_per_gpu": ".1f", "mfu": ".3f"}
+           "images_per_sec": ".1f", "peak_mem_gb": ".2f", "peak_host_mem_gb": ".2f", "tflops_per_gpu": ".1f", "mfu": ".3f"}
 # What a row was trained with beyond its overrides (an experiment= preset or a default sets these).
 SETTINGS = ("model", "world_size", "max_epochs", "optimizer", "scheduler")
 

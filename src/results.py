@@ -22,9 +22,16 @@ def summarize(history: list[dict]) -> dict:
     if not rows:
         return {}
     seconds = sum(r["epoch_sec"] for r in rows)
-    return {"sec_per_epoch": seconds / len(rows),
-            "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
-            "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
+    out = {"sec_per_epoch": seconds / len(rows),
+           "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
+           "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
+    for key in ("tflops_per_gpu", "mfu"):  # rates: time-weighted like images/s
+        if all(key in r for r in rows):
+            out[key] = sum(r[key] * r["epoch_sec"] for r in rows) / seconds
+    for key in ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb"):  # peaks: over every epoch
+        if any(key in r for r in history):
+            out[key] = max(r.get(key, 0.0) for r in history)
+    return out
 
 
 def _choices(run_dir: Path) -> dict:
@@ -51,12 +58,29 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader: str, run_dir: Pat
             "compile": t.compile, "channels_last": t.channels_last, "threads": torch.get_num_threads()}
 
 
+PERF_KEYS = ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")
+
+
+def efficiency_line(m: dict) -> str:
+    """Memory and compute efficiency, as far as this device reports them (CPU: host memory, no MFU)."""
+    parts = [f"{m['tflops_per_gpu']:.2f} TFLOP/s/device"] if "tflops_per_gpu" in m else []
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "peak_mem_gb" in m:
+        parts.append(f"peak mem {m['peak_mem_gb']:.2f} GiB (reserved {m.get('peak_mem_reserved_gb', 0):.2f})")
+    elif "peak_host_mem_gb" in m:
+        parts.append(f"peak host mem {m['peak_host_mem_gb']:.2f} GiB (CPU: no GPU memory, no MFU)")
+    return ", ".join(parts)
+
+
 def log_final(final: dict) -> None:
     log.info("test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
              "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
              final["test_loss"], final["test_top1"], final["test_top5"], final["test_count"],
              final["best_epoch"], final.get("sec_per_epoch", math.nan), final.get("images_per_sec", math.nan),
              100 * final.get("data_wait_fraction", 0.0), final["params_in_sync"], final["bn_buffers_in_sync"])
+    if final.get("tflops_per_gpu") is not None:
+        log.info("efficiency: %s", efficiency_line(final))
 
 
 def _git_commit() -> str | None:
@@ -111,13 +135,18 @@ class Reporter:
         evaluated = "".join(f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
                             for split in ("val", "test") if f"{split}_loss" in row)  # the splits this epoch has
         precision = f"amp {t.amp_dtype}" if t.amp else "fp32"
-        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s", row["epoch"], t.max_epochs,
-                 row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"], row["images_per_sec"], precision)
+        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s | %s", row["epoch"],
+                 t.max_epochs, row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"],
+                 row["images_per_sec"], precision, efficiency_line(row))
         scalars = {}
         for key, value in row.items():
-            if key != "epoch":
-                split, _, name = key.partition("_")
-                scalars[f"{split}/{name}" if split in ("train", "val", "test") else f"time/{key}"] = value
+            split, _, name = key.partition("_")
+            if key == "epoch":
+                continue
+            if split in ("train", "val", "test"):
+                scalars[f"{split}/{name}"] = value
+            else:
+                scalars[f"{'perf' if key in PERF_KEYS else 'time'}/{key}"] = value
         self.loggers.log_metrics(scalars, step=row["epoch"])
 
     def final(self, final: dict, status: str, history: list[dict]) -> None:

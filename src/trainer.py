@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
-from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env
+from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
+from src.efficiency import memory_stats, peak_flops, reset_peak, train_step_flops
 from src.evaluate import evaluate
 from src.loaders import build_loader, eval_shard, plan_epoch
 from src.meter import EpochMeter
@@ -87,6 +88,7 @@ class Trainer:
             raise ConfigError(f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
                               f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0")
         model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
+        self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
             model = model.to(memory_format=torch.channels_last)
         self.model = self.strategy.wrap(model, Context(self.device, t.amp, self.amp_dtype,
@@ -113,6 +115,23 @@ class Trainer:
         if self.primary:
             self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader.name, self.device)
 
+    def _count_flops(self, model: torch.nn.Module) -> float:
+        """FLOPs of one training image (forward + backward), counted once on two images: linear in the batch."""
+        x = torch.randn(2, self.data.channels, *self.data.image_size, device=self.device)
+        return train_step_flops(model, x, torch.zeros(2, dtype=torch.long, device=self.device)) / 2
+
+    def efficiency(self, images_per_sec: float) -> dict:
+        """Peak memory (max over ranks) and achieved TFLOP/s and MFU per device (collective)."""
+        out = {k: reduce_max(v, self.device) for k, v in memory_stats(self.device).items()}
+        devices = self.layout.world_size * self.layout.devices_per_process
+        per_device = self.flops_per_image * images_per_sec / devices
+        out["tflops_per_gpu"] = per_device / 1e12
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        peak = peak_flops(name, self.amp_dtype if self.t.amp else torch.float32)
+        if peak:  # known GPUs only: there is no honest peak for a CPU
+            out["mfu"] = per_device / peak
+        return out
+
     def plan(self, epoch: int):
         """The epoch's steps; the last plan is kept, as the next epoch's is made ahead for loader.prepare."""
         if self._last_plan and self._last_plan[0] == epoch:
@@ -138,6 +157,7 @@ class Trainer:
         p = self.progress
         first = p.step if epoch == p.epoch else 0
         meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
+        reset_peak(self.device)
         bar = tqdm(total=len(steps), initial=first, desc=f"epoch {epoch + 1}/{self.t.max_epochs}", leave=False,
                    dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
         self.model.train()
@@ -165,7 +185,7 @@ class Trainer:
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
             self.loader.prepare(self.plan(epoch + 1), epoch + 1)
         row = meter.finish(sum(s.global_count for s in steps[first:]))
-        return {**row, "lr": self.scheduler.get_last_lr()[0]}
+        return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
 
     def optimizer_step(self) -> None:
         if self.t.grad_clip:

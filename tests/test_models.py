@@ -143,10 +143,10 @@ def test_cuda_memory_stats_and_flops():
     reset_peak(device)
     big = torch.empty(2**28, dtype=torch.uint8, device=device)  # 0.25 GiB
     stats = memory_stats(device)
-    assert stats["peak_mem_allocated_gb"] >= 0.25 and stats["peak_mem_reserved_gb"] >= 0.25
+    assert stats["peak_mem_gb"] >= 0.25 and stats["peak_mem_reserved_gb"] >= 0.25
     del big
     reset_peak(device)
-    assert memory_stats(device)["peak_mem_allocated_gb"] < 0.25
+    assert memory_stats(device)["peak_mem_gb"] < 0.25
     net, x, y = _conv_net(), torch.randn(4, 3, 8, 8), torch.randint(0, 7, (4,))
     assert train_step_flops(net.to(device), x.to(device), y.to(device)) == train_step_flops(net.cpu(), x, y)
     assert peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) is not None
