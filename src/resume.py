@@ -34,11 +34,7 @@ def _explicit(overrides: list[str] | None) -> set[str] | None:
     """Keys the user set on this command line (None: unknown, e.g. a config composed in Python)."""
     if overrides is None:
         return None
-    keys = set()
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        keys.add(key)
-    return keys
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def _set_by_user(key: str, explicit: set[str] | None) -> bool:
@@ -71,26 +67,23 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     now = _flat(OmegaConf.to_container(cfg, resolve=True))
     before = _flat(saved)
     refused, kept = [], {}
-    for key in sorted(set(now) | set(before)):
-        if _may_change(key) or now.get(key) == before.get(key):
+    for key in sorted(set(before) & set(now)):  # keys only one side knows come from other code versions
+        if _may_change(key) or now[key] == before[key]:
             continue
         if _set_by_user(key, explicit):
-            refused.append(f"{key}={now.get(key)!r} (checkpoint: {before.get(key)!r})")
+            refused.append(f"{key}={now[key]!r} (checkpoint: {before[key]!r})")
         else:
-            kept[key] = before.get(key)
+            kept[key] = before[key]
     if refused:
         raise ConfigError(f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
                           f"drop these overrides to continue it, or start a new run (another hydra.run.dir)")
     if kept:
         merged = OmegaConf.to_container(cfg, resolve=True)
         for key, value in kept.items():
-            parent, *_ = key.rsplit(".", 1)
+            *parents, leaf = key.split(".")
             node = merged
-            for part in key.split(".")[:-1]:
+            for part in parents:
                 node = node.setdefault(part, {})
-            if value is None and key not in before:
-                node.pop(key.rsplit(".", 1)[-1], None)
-            else:
-                node[key.rsplit(".", 1)[-1]] = value
+            node[leaf] = value
         cfg = OmegaConf.create(merged)
     return cfg

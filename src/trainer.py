@@ -78,9 +78,10 @@ class Trainer:
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.seed)
         self.strategy = build_strategy(cfg.strategy)
-        if t.deterministic:
+        if t.deterministic:  # the same bits run to run, and fp32 without TF32's 10-bit mantissa
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         elif self.device.type == "cuda":
             torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
         self.data = load_data(cfg.data)
