@@ -44,7 +44,7 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "cudagraphs-wrapper-split-b35": ("reduce-overhead", "wrapper", None, 35, True, {"broadcast_buffers": False}),
     "cudagraphs-wrapper-split-b40": ("reduce-overhead", "wrapper", None, 40, True, {"broadcast_buffers": False}),
     # compiled autograd traces DDP's (python) reducer into the backward graph, where Inductor may reorder the
-    # all-reduces to overlap the backward (prepared for the next GPU session; checked on CPU/gloo only)
+    # all-reduces to overlap the backward (measured slower: resnet18_2xh200_2026-11-26.md, tried and rejected)
     "cudagraphs-compiled-autograd": ("reduce-overhead", "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
     "compiled-autograd": (True, "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
     "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
@@ -75,7 +75,7 @@ def build(mode: str, device: torch.device, world: int):
         return (compiled(model) if compile_ else model), opt, None
     if scope == "after_backward":  # ddplab's strategy.gradient_sync=after_backward: no DDP wrapper
         return compiled(model), opt, FlatGradientSync(model.parameters(), COMM_DTYPES.get(hook))
-    if scope == "after_backward_cat":  # its previous version: a fresh torch.cat of the gradients every step
+    if scope == "after_backward_cat":  # the simpler packing, for comparison: a fresh torch.cat every step
         return compiled(model), opt, cat_gradient_sync(list(model.parameters()))
     inner = compiled(model) if compile_ and scope == "module" else model
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket,
@@ -87,7 +87,7 @@ def build(mode: str, device: torch.device, world: int):
 
 
 def cat_gradient_sync(params):
-    """strategy.gradient_sync=after_backward before the fourth session: pack by torch.cat into a new buffer."""
+    """after_backward packed by torch.cat into a new buffer each step (what the persistent buffer is measured against)."""
     def sync():
         grads = [p.grad for p in params]
         flat = torch.cat([g.as_strided((g.numel(),), (1,)) for g in grads])  # dense gradients only
