@@ -45,6 +45,11 @@ tensorboard: install  ## TensorBoard over outputs/ and multirun/ (or LOGDIR=/SWE
 bench: install  ## speed benchmark (GPU); ARGS="--smoke" runs the tiny CPU mode
 	$(PY) bench/bench.py $(ARGS)
 
+ZIP ?= ../shared/datasets/cifar10-jpeg.zip
+bench-data: install  ## ImageNet-like folder data/imagenet-like (50k+10k ~100 KiB JPEGs from ZIP=cifar10-jpeg.zip) + its shards
+	$(PY) bench/make_imagefolder.py --zip $(ZIP) --out data/imagenet-like --train 50000 --test 10000
+	[ -f data/imagenet-like-shards/meta.json ] || $(PY) -m src.shards pack data/imagenet-like data/imagenet-like-shards
+
 slurm-install:  ## install Debian's slurm-wlm + munge + slurmdbd + mariadb for the SLURM tests (needs root + apt)
 	@bash .ci/install_slurm.sh || echo "make: SLURM packages not installed; the SLURM tests will be skipped"
 

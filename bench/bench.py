@@ -32,6 +32,7 @@ CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
 LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
 # every multi-GPU strategy at 2, 4 and 8 GPUs, up to --gpus
 LOOP_STRATEGIES = [("single", 1)] + [(s, g) for g in (2, 4, 8) for s in ("dp", "ddp", "fsdp")]
+WIDTH = 36  # the run column: resnet50-ceiling-bf16-cl-cudagraphs
 SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "0",
          "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
 GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "workers": "8",
@@ -40,31 +41,74 @@ GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "worker
 
 # --- the parent: plan, run, compare ---------------------------------------------------------------
 
+def model_of(args, mode) -> tuple[str, list[str], str, dict]:
+    """(name, loop overrides, model YAML, its options) of --model: conf/model/<name>.yaml where there is one,
+    else the torchvision classifier of that name; by default the mode's model."""
+    name = args.model or mode["model"]
+    if (ROOT / "conf/model" / f"{name}.yaml").exists():
+        return name, [f"model={name}"], name, {}
+    return name, ["model=torchvision", f"model.name={name}"], "torchvision", {"name": name}
+
+
+def loaders_of(args) -> list[tuple[str, list[str]]]:
+    """(tag, data overrides) of each loader the loops and loader runs compare. Default: the in-memory data on
+    the GPU (`gpu`) and the DataLoader with each --workers count (`classic<N>`). With --decode: images read
+    from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
+    --workers count) or by the workers (`classic<N>`); shard tags start with `shards-`."""
+    workers = [int(w) for w in args.workers.split(",")]
+    if not args.decode:
+        return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + \
+            [(f"classic{w}", ["data.loader=classic", f"data.num_workers={w}"]) for w in workers]
+    common = ["data.augment=random_resized_crop", *([f"data.image_size={args.image_size}"] if args.image_size else [])]
+    sources = [("", ["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"])] if args.data_root else []
+    if args.shards:
+        sources.append(("shards-", ["data=shards", f"data.root={Path(args.shards).resolve()}"]))
+    out = []
+    for prefix, data in sources:
+        for decode in args.decode.split(","):
+            counts = workers[:1] if decode == "gpu" else workers
+            for w in counts:
+                tag = f"{prefix}gpudecode" if decode == "gpu" else f"{prefix}classic{w}"
+                out.append((tag, [*data, *common, f"data.decode={decode}", f"data.num_workers={w}"]))
+    return out
+
+
 def plan(args) -> list[dict]:
-    """Every configuration, in run order: ceilings first, then the loops."""
+    """Every configuration, in run order: ceilings first, then the loaders alone (--decode), then the loops."""
     mode = SMOKE if args.smoke else GPU
     device = "cpu" if args.smoke else "cuda"
     warmup, windows, steps = mode["windows"]
-    configs = [{"name": f"ceiling-{tag}", "kind": "ceiling", "model": mode["model"], "device": device,
+    model, model_overrides, model_yaml, model_options = model_of(args, mode)
+    prefix = f"{args.model}-" if args.model else ""  # names say the model when it is not the default
+    configs = [{"name": f"{prefix}ceiling-{tag}", "kind": "ceiling", "model": model, "model_yaml": model_yaml,
+                "model_options": model_options, "image_size": args.image_size or 32, "device": device,
                 "batch": args.batch, "amp": amp, "channels_last": cl, "compile": bool(comp), "compile_mode": comp,
                 "precision": "bf16" if amp else "fp32", "gpus": 1, "warmup": warmup, "windows": windows,
                 "steps": steps} for tag, amp, cl, comp in mode["ceilings"]]
-    data = (["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"] if args.data_root else
-            ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]"])
-    data.append("data.augment=crop_flip")
     amp = not args.smoke
+    precision = "bf16" if amp else "fp32"
+    if args.decode:
+        data = []
+    elif args.data_root:
+        data = ["data=imagefolder", f"data.root={Path(args.data_root).resolve()}", "data.augment=crop_flip"]
+    else:
+        data = ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]", "data.augment=crop_flip"]
+    loaders = loaders_of(args)
+    if args.decode:  # the loader alone, as one GPU's rank runs it: read, decode, augment, no model
+        configs += [{"name": f"loader-{tag}", "kind": "loader", "model": model, "gpus": 1, "loader": tag,
+                     "precision": precision, "device": device, "batch": args.batch, "warmup": 10,
+                     "steps": args.loader_steps, "channels_last": amp,
+                     "overrides": [*loader_data, f"trainer.device={device}", *(args.override or [])]}
+                    for tag, loader_data in loaders]
     compiles = [False] if args.smoke else {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-    loaders = [("gpu", 0)] + [("classic", int(w)) for w in args.workers.split(",")]
     for compile_ in compiles:
         for strategy, gpus in mode["strategies"]:
             if gpus > args.gpus:
                 continue
-            for loader, workers in loaders:
-                tag = "gpu" if loader == "gpu" else f"classic{workers}"
-                name = f"{strategy}{gpus}-{tag}" + ("" if compile_ or args.smoke else "-eager")
-                overrides = [f"model={mode['model']}", *data, f"strategy={strategy}", f"trainer.devices={gpus}",
+            for tag, loader_data in loaders:
+                name = f"{prefix}{strategy}{gpus}-{tag}" + ("" if compile_ or args.smoke else "-eager")
+                overrides = [*model_overrides, *data, *loader_data, f"strategy={strategy}", f"trainer.devices={gpus}",
                              f"trainer.device={device}", f"data.batch_size={args.batch * gpus}",
-                             f"data.loader={loader}", f"data.num_workers={workers}",
                              f"trainer.max_epochs={args.epochs}", f"trainer.amp={str(amp).lower()}",
                              "trainer.amp_dtype=bf16", f"trainer.channels_last={str(amp).lower()}",
                              f"trainer.compile={str(compile_).lower()}", "trainer.progress_bar=false",
@@ -72,8 +116,8 @@ def plan(args) -> list[dict]:
                 if args.steps:
                     overrides.append(f"trainer.limit_train_batches={args.steps}")
                 overrides += args.override or []
-                configs.append({"name": name, "kind": "loop", "strategy": strategy, "gpus": gpus, "loader": tag,
-                                "compile": compile_, "precision": "bf16" if amp else "fp32",
+                configs.append({"name": name, "kind": "loop", "model": model, "strategy": strategy, "gpus": gpus,
+                                "loader": tag, "compile": compile_, "precision": precision,
                                 "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
                                 "overrides": overrides})
     return configs
@@ -105,19 +149,24 @@ def run_child(config: dict, timeout: float) -> dict:
 
 
 def ratios(runs: dict) -> list[dict]:
-    """vs_ceiling: loop img/s / (GPUs x best ceiling of the same precision); vs_single: N-GPU / single1."""
+    """vs_ceiling: loop (or loader alone) img/s / (GPUs x best ceiling of the same model and precision);
+    vs_single: N-GPU / single1."""
     ok = {n: r for n, r in runs.items() if r["ok"]}
     out = []
     for name, r in ok.items():
-        if r["kind"] != "loop":
+        if r["kind"] not in ("loop", "loader"):
             continue
-        same = [c for c in ok.values() if c["kind"] == "ceiling" and c["precision"] == r["precision"]]
+        same = [c for c in ok.values() if c["kind"] == "ceiling" and c["precision"] == r["precision"]
+                and c.get("model") == r.get("model", c.get("model"))]  # (older files: loops name no model)
         if same:
             best = max(same, key=lambda c: c["images_per_sec"])
             out.append({"kind": "vs_ceiling", "run": name, "reference": best["name"], "gpus": r["gpus"],
                         "value": r["images_per_sec"] / (best["images_per_sec"] * r["gpus"])})
+        if r["kind"] == "loader":
+            continue
         single = [s for s in ok.values() if s["kind"] == "loop" and s["strategy"] == "single" and
-                  (s["loader"], s["compile"], s["precision"]) == (r["loader"], r["compile"], r["precision"])]
+                  (s["loader"], s["compile"], s["precision"], s.get("model")) ==
+                  (r["loader"], r["compile"], r["precision"], r.get("model"))]
         if r["gpus"] > 1 and single:
             out.append({"kind": "vs_single", "run": name, "reference": single[0]["name"], "gpus": r["gpus"],
                         "value": r["images_per_sec"] / single[0]["images_per_sec"]})
@@ -129,17 +178,17 @@ def table(report: dict) -> str:
     gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
     lines = [f"ddplab bench | {gpus} | torch {report['torch_version']} | "
              f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
-             f"{'run':<26}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
+             f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
              f"{'wall s':>8}"]
     for name, r in runs.items():
         if not r["ok"]:
-            lines.append(f"{name:<26}  FAILED: {r['error'].strip().splitlines()[-1][:90] if r['error'] else '?'}")
+            lines.append(f"{name:<{WIDTH}}  FAILED: {r['error'].strip().splitlines()[-1][:90] if r['error'] else '?'}")
             continue
         ceil, single = by.get(("vs_ceiling", name)), by.get(("vs_single", name))
         wait = f"{100 * r['data_wait_fraction']:.0f}%" if "data_wait_fraction" in r else ""
         first = f"{r['epoch_sec'][0]:.1f}" if r.get("epoch_sec") else ""
         ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
-        lines.append(f"{name:<26}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
+        lines.append(f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
                      f"{r['wall_sec']:>8.0f}")
     refs = sorted({(x["reference"], runs[x["reference"]]["images_per_sec"]) for x in report["ratios"]
                    if x["kind"] == "vs_ceiling"})
@@ -147,6 +196,9 @@ def table(report: dict) -> str:
                  + (", ".join(f"{n} {v:.0f} img/s" for n, v in refs) or "none ran; --merge with one") + ")")
     lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision "
                  "(scaling efficiency = vs 1 GPU / N)")
+    if any(r["kind"] == "loader" for r in runs.values()):
+        lines.append("loader-* = one GPU's loader alone (read, decode, augment; no model); its vs ceiling > 1: "
+                     "it can feed that GPU")
     return "\n".join(lines)
 
 
@@ -155,8 +207,16 @@ def summarize(args, runs: dict, extra: dict | None = None) -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": [sys.executable, *sys.argv],
             "gpu_name": first.get("device_name", "?"), "gpu_count": first.get("gpu_count", 0),
             "torch_version": first.get("torch_version", "?"), "smoke": args.smoke,
-            "data": f"imagefolder {args.data_root}" if args.data_root else f"synthetic {args.samples}x3x32x32",
+            "data": data_label(args),
             "batch_per_gpu": args.batch, **(extra or {}), "runs": runs, "ratios": ratios(runs)}
+
+
+def data_label(args) -> str:
+    if args.decode:  # images read from disk
+        parts = [f"imagefolder {args.data_root}"] if args.data_root else []
+        parts += [f"shards {args.shards}"] if args.shards else []
+        return " + ".join(parts) + f" ({args.image_size or 'native'} px, decode {args.decode})"
+    return f"imagefolder {args.data_root}" if args.data_root else f"synthetic {args.samples}x3x32x32"
 
 
 def merge(paths: list[str]) -> tuple[dict, dict]:
@@ -190,12 +250,14 @@ def child_ceiling(spec: dict) -> dict:
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
-    model = build_model(OmegaConf.load(ROOT / "conf/model" / f"{spec['model']}.yaml"), 10, 3)
-    model = model.to(device, memory_format=fmt)
+    model_cfg = OmegaConf.load(ROOT / "conf/model" / f"{spec.get('model_yaml', spec['model'])}.yaml")
+    model_cfg.update(spec.get("model_options", {}))
+    model = build_model(model_cfg, 10, 3).to(device, memory_format=fmt)
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
     forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
     objective = build_loss_terms(spec["compile"], spec["compile_mode"] or "default")
-    x = torch.randn(spec["batch"], 3, 32, 32, device=device).contiguous(memory_format=fmt)
+    size = spec.get("image_size", 32)
+    x = torch.randn(spec["batch"], 3, size, size, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (spec["batch"],), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -268,6 +330,40 @@ def child_loop(spec: dict) -> dict:
             "torch_version": metrics["torch_version"], "hparams": metrics["hparams"]}
 
 
+def child_loader(spec: dict) -> dict:
+    """The loader alone, as one rank of a run builds it: `warmup` batches, then `steps` timed ones (read,
+    decode, augment, normalize; on CUDA until the last batch is ready on the device)."""
+    import torch
+
+    from src.datasets import load_data
+    from src.loaders import build_loader, plan_epoch
+
+    with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
+        cfg = compose(spec["overrides"], out)
+    device = torch.device(spec["device"])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    data = load_data(cfg.data)
+    loader = build_loader(data, cfg.data, device, spec["channels_last"], seed=0)
+    steps = plan_epoch(len(data.train), spec["batch"], 1, 0, 1, seed=0, epoch=0, drop_last=True)
+    steps = steps[:spec["warmup"] + spec["steps"]]
+    if len(steps) <= spec["warmup"]:
+        raise SystemExit(f"{len(data.train)} training images give {len(steps)} batches; lower --loader-steps")
+    timed = 0
+    try:
+        for k, batch in enumerate(loader.train_batches(steps, 0)):
+            if k == spec["warmup"]:
+                sync()
+                t0 = time.perf_counter()
+            timed += len(batch.y) if k >= spec["warmup"] else 0
+        sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        loader.close()
+    return {"images_per_sec": timed / seconds, "seconds": seconds, "images": timed, "workers": cfg.data.num_workers,
+            "loader_name": loader.name, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "cpu", "gpu_count": torch.cuda.device_count(), "torch_version": torch.__version__}
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 def main() -> int:
@@ -275,7 +371,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny CPU mode for CI (tiny_cnn, fp32, no compile)")
     p.add_argument("--only", help="comma-separated name patterns (fnmatch), e.g. 'ceiling-*,single1-*'")
     p.add_argument("--list", action="store_true", help="print the selected configuration names and exit")
-    p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json)")
+    p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json; --smoke: outputs/bench/)")
     p.add_argument("--data-root", help="ImageFolder root (train/, test/); default synthetic CIFAR-sized data")
     p.add_argument("--compile", choices=["on", "off", "both"], default="on", help="trainer.compile of the loops")
     p.add_argument("--workers", help="data.num_workers of the classic loader, comma-separated (default 8; smoke 0)")
@@ -286,20 +382,32 @@ def main() -> int:
     p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
     p.add_argument("--override", action="append", metavar="KEY=VALUE",
                    help="a config override for every loop run (repeatable), e.g. strategy.gradient_sync=reducer")
+    p.add_argument("--model", help="model of the ceilings and loops: conf/model/<NAME>.yaml or a torchvision "
+                   "classifier, e.g. resnet50 (names then start with it; default resnet18, smoke tiny_cnn)")
+    p.add_argument("--image-size", type=int, help="the ceiling's input size (default 32) and, with --decode, "
+                   "data.image_size")
+    p.add_argument("--decode", help="compare images read from disk instead: gpu and/or cpu decoding, e.g. gpu,cpu "
+                   "(with --data-root and/or --shards; adds loader-* runs: the loader alone)")
+    p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
+    p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         spec = json.loads(args.one)
-        result = child_ceiling(spec) if spec["kind"] == "ceiling" else child_loop(spec)
+        child = {"ceiling": child_ceiling, "loader": child_loader, "loop": child_loop}[spec["kind"]]
+        result = child(spec)
         print(json.dumps(result), flush=True)
         return 0
     mode = SMOKE if args.smoke else GPU
     for key in ("batch", "epochs", "samples", "workers"):
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
-    out = Path(args.out or ROOT / "bench/results" / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
+    if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - {"gpu", "cpu"}):
+        p.error("--decode takes gpu and/or cpu (e.g. gpu,cpu) and needs --data-root and/or --shards")
+    folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
+    out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
 
     def write(report: dict) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,7 +430,7 @@ def main() -> int:
         runs = {}
         for i, config in enumerate(configs, 1):
             r = runs[config["name"]] = run_child(config, args.timeout)
-            print(f"[{i}/{len(configs)}] {config['name']:<26} " + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"]
+            print(f"[{i}/{len(configs)}] {config['name']:<{WIDTH}} " + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"]
                   else "FAILED") + f"  ({r['wall_sec']:.0f} s)", flush=True)
             report = summarize(args, runs)
             write(report)  # after every run: a killed call keeps its results

@@ -3,13 +3,20 @@
 The random choices of an epoch (crop offset and flip of every sample) are drawn once from
 (seed, epoch) and indexed by sample id, so a sample is augmented the same way whatever the
 strategy, world size, loader or device: single, dp, ddp and fsdp see identical batches.
+Images read from disk (each of its own size) get random resized crops whose choices come from
+(seed, epoch, sample id) alone (`sample_uniforms`), computed for just the batch at hand.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 CROP_PAD = 4
+RRC_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before falling back to a centre crop
+RRC_DRAWS = 4 * RRC_ATTEMPTS + 1  # per sample: (area, aspect, top, left) per attempt, and the flip
 
 
 def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
@@ -89,3 +96,128 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, table
         channels = torch.arange(images.shape[1], device=images.device)[:, None, None]
         return table[channels, images.long()]
     return _arithmetic(images, mean, std)
+
+
+# --- random resized crops of images of any size (read from disk) ----------------------------------------
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of uint64 whose outputs pass statistical tests as random."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_uniforms(seed: int, epoch: int, ids, count: int, stream: int = 3) -> np.ndarray:
+    """float64 len(ids) x count in [0, 1): sample `id`'s numbers of the epoch, a function of (seed, epoch, id)
+    alone (counter-based, splitmix64), so a worker computes only its batch's and nothing per epoch is stored
+    (ImageNet: 1.28M x 41 numbers), whatever the batch, rank or resume point."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        key = np.array([seed % 2**64], dtype=np.uint64)
+        for part in (epoch, stream):
+            key = _mix64(key ^ np.uint64(part % 2**64)) + _GOLDEN
+        counters = np.asarray(ids, dtype=np.uint64)[:, None] * np.uint64(count) + np.arange(count, dtype=np.uint64)
+        bits = _mix64(key + counters * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def rrc_boxes(u: np.ndarray, heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> np.ndarray:
+    """int64 B x 4 (top, left, height, width): torchvision's RandomResizedCrop.get_params for every image at
+    once, from `u` (B x RRC_ATTEMPTS x 4 uniforms): the first of 10 (area, log-aspect) draws that fits, at a
+    uniform position; if none fits, the whole image trimmed to the nearest allowed aspect ratio, centred."""
+    H, W = (np.asarray(v, dtype=np.int64)[:, None] for v in (heights, widths))
+    area = (H * W).astype(np.float64)
+    target = area * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = np.exp(lo + (hi - lo) * u[..., 1])
+    w = np.round(np.sqrt(target * aspect)).astype(np.int64)  # round half to even, like Python's round()
+    h = np.round(np.sqrt(target / aspect)).astype(np.int64)
+    fits = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+    first = fits.argmax(axis=1)[:, None]
+
+    def pick(a):
+        return np.take_along_axis(a, first, axis=1)[:, 0]
+
+    h, w, H, W = pick(h), pick(w), H[:, 0], W[:, 0]
+    top = np.floor(pick(u[..., 2]) * (H - h + 1)).astype(np.int64)
+    left = np.floor(pick(u[..., 3]) * (W - w + 1)).astype(np.int64)
+    wide, narrow = W / H > max(ratio), W / H < min(ratio)
+    fh = np.where(narrow, np.round(W / min(ratio)).astype(np.int64), H)
+    fw = np.where(wide, np.round(H * max(ratio)).astype(np.int64), W)
+    fallback = ~fits.any(axis=1)
+    boxes = np.stack([top, left, h, w], axis=1)
+    boxes[fallback] = np.stack([(H - fh) // 2, (W - fw) // 2, fh, fw], axis=1)[fallback]
+    return boxes
+
+
+def rrc_params(seed: int, epoch: int, ids, heights, widths, scale, ratio) -> tuple[np.ndarray, np.ndarray]:
+    """(boxes B x 4, flips bool B) of the epoch's random resized crop of samples `ids`, images H x W."""
+    u = sample_uniforms(seed, epoch, ids, RRC_DRAWS)
+    return rrc_boxes(u[:, :-1].reshape(-1, RRC_ATTEMPTS, 4), heights, widths, scale, ratio), u[:, -1] < 0.5
+
+
+def _resize(image: torch.Tensor, size) -> torch.Tensor:
+    """C x h x w -> C x size, bilinear with antialiasing. On the CPU on uint8 (its fast kernel: ~2x float);
+    elsewhere in float, rounded once per batch (`_to_uint8`)."""
+    x = image[None] if image.device.type == "cpu" else image[None].float()
+    return F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
+def _batch(images: list[torch.Tensor], size) -> torch.Tensor:
+    device = images[0].device
+    return torch.empty(len(images), images[0].shape[0], *size, device=device,
+                       dtype=torch.uint8 if device.type == "cpu" else torch.float32)
+
+
+def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.uint8 else x.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def resized_crops(images: list[torch.Tensor], boxes: np.ndarray, flips: np.ndarray, size) -> torch.Tensor:
+    """uint8 B x C x size: image k cropped to boxes[k] (top, left, height, width), resized, mirrored where
+    flips[k]. One resize per image (their sizes differ); the rest is batched."""
+    out = _batch(images, size)
+    for k, (image, (top, left, h, w)) in enumerate(zip(images, boxes.tolist())):
+        out[k] = _resize(image[:, top:top + h, left:left + w], size)
+    out = _to_uint8(out)
+    if flips.any():
+        out = torch.where(torch.as_tensor(flips, device=out.device).view(-1, 1, 1, 1), out.flip(-1), out)
+    return out
+
+
+def eval_geometry(height: int, width: int, short: int, size) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((resized h, w), (crop top, left)) of torchvision's Resize(short) + CenterCrop(size) on an H x W image."""
+    if height <= width:
+        resized = (short, int(short * width / height))
+    else:
+        resized = (int(short * height / width), short)
+    return resized, (int(round((resized[0] - size[0]) / 2.0)), int(round((resized[1] - size[1]) / 2.0)))
+
+
+def resize_center_crops(images: list[torch.Tensor], short: int, size) -> torch.Tensor:
+    """uint8 B x C x size: each image's shorter side resized to `short`, then its centre `size` crop."""
+    out = _batch(images, size)
+    for k, image in enumerate(images):
+        resized, (top, left) = eval_geometry(image.shape[1], image.shape[2], short, size)
+        out[k] = _resize(image, resized)[:, top:top + size[0], left:left + size[1]]
+    return _to_uint8(out)
+
+
+class DiskCrops:
+    """Fixed-size uint8 crops of images of any size, wherever the images are. Training with random resized crops
+    (`random`): each sample's crop and flip of the epoch, drawn from (seed, epoch, sample id). Evaluation, and
+    training under the other augmentations: the shorter side resized to 8/7 of the size, then the centre."""
+
+    def __init__(self, size, random: bool, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.size, self.random, self.seed = tuple(size), random, seed
+        self.short = int(round(max(self.size) * 8 / 7))
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def __call__(self, images: list[torch.Tensor], ids: torch.Tensor, epoch: int | None) -> torch.Tensor:
+        if epoch is not None and self.random:
+            heights, widths = ([image.shape[d] for image in images] for d in (1, 2))
+            boxes, flips = rrc_params(self.seed, epoch, ids.numpy(), heights, widths, self.scale, self.ratio)
+            return resized_crops(images, boxes, flips, self.size)
+        return resize_center_crops(images, self.short, self.size)

@@ -4,7 +4,8 @@ Each conf/data/<name>.yaml names its builder with `_target_` (a function taking 
 a DataBundle); adding a dataset is one such function and one YAML starting with `defaults: [_common, _self_]`.
 Small datasets (digits, CIFAR, synthetic, ImageFolders that fit `data.max_memory_gb`) become uint8
 tensors N x C x H x W in memory, which both loaders (src/loaders.py) index directly. Larger
-ImageFolders stay on disk and are decoded by DataLoader workers.
+ImageFolders (and packed shards, src/shards.py) stay on disk as encoded images (src/decode.py), decoded
+per batch by DataLoader workers or on the training device (`data.decode`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
+from src.decode import EncodedImages, FileImages, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,13 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_range(value, upper: float | None = None) -> bool:
+    """[low, high] with 0 < low <= high (<= upper)."""
+    value = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    return (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) for v in value)
+            and 0 < value[0] <= value[1] and (upper is None or value[1] <= upper))
+
+
 # key: (test, what a valid value is). The shared keys (conf/data/_common.yaml) must be present.
 SHARED_KEYS = {
     "batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
@@ -63,6 +72,11 @@ OWN_KEYS = {
     "test_fraction": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
     "image_size": (lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
     "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    # images read from disk (imagefolder beyond max_memory_gb, shards)
+    "decode": (lambda v: v in ("auto", "gpu", "cpu"), "auto, gpu or cpu"),
+    "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
+    "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
+    "skip_bad_images": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -147,6 +161,8 @@ def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val
 def _subset(split: Split, idx: torch.Tensor) -> Split:
     if split.images is not None:
         return Split(split.labels[idx], images=split.images[idx])
+    if isinstance(split.files, EncodedImages):
+        return Split(split.labels[idx], files=split.files.subset(idx))
     return Split(split.labels[idx], files=torch.utils.data.Subset(split.files, idx.tolist()))
 
 
@@ -227,19 +243,6 @@ def _check_folder(path: Path) -> None:
         raise ConfigError(f"{path} has no class folders; expected {path}/<class>/<image> (ImageFolder layout)")
 
 
-def _unreadable(path, exc: Exception) -> ConfigError:
-    """One line naming a file that cannot be read or decoded (PIL's own messages repeat the path or span lines)."""
-    from PIL import UnidentifiedImageError
-
-    if isinstance(exc, UnidentifiedImageError):
-        why = "not an image format PIL can read"
-    elif isinstance(exc, OSError) and exc.strerror:
-        why = exc.strerror
-    else:
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return ConfigError(f"{path}: cannot read this image ({why}); remove or replace the file")
-
-
 def _open_rgb(path: str):
     """ImageFolder's loader (in memory and in DataLoader workers): a bad file is named in one line."""
     from PIL import Image
@@ -248,7 +251,7 @@ def _open_rgb(path: str):
         with Image.open(path) as img:
             return img.convert("RGB")
     except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError... depending on the codec
-        raise _unreadable(path, exc) from None
+        raise unreadable(path, exc) from None
 
 
 def _image_folder(folder: Path, transform=None):
@@ -284,7 +287,7 @@ def _cache_key(folder: Path, samples: list, size: int | None) -> str:
         try:
             st = os.stat(path)
         except OSError as exc:  # e.g. a broken symlink
-            raise _unreadable(path, exc) from None
+            raise unreadable(path, exc) from None
         # the inode too: renaming folders (two classes swapped) keeps every file's name, size and mtime
         h.update(f"{os.path.relpath(path, folder)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
     return h.hexdigest()[:24]
@@ -329,8 +332,6 @@ def _cached_decode(folder: Path, ds, size: int | None) -> tuple[torch.Tensor, to
 
 
 def load_imagefolder(cfg: DictConfig) -> DataBundle:
-    from torchvision.transforms import v2 as T
-
     root = Path(str(cfg.root))
     _check_folder(root)
     _check_folder(root / "train")
@@ -347,35 +348,44 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
                               f"every split needs the same class folders")
     size = cfg.image_size
     h, w = (size, size) if size else _open_rgb(base["train"].samples[0][0]).size[::-1]
-    augment = cfg.augment if cfg.augment != "auto" else ("crop_flip" if max(h, w) <= 64 else "random_resized_crop")
+    augment = _resolve_augment(cfg.augment, h, w)
     n_total = sum(len(ds) for ds in base.values())
-    fits = n_total * 3 * h * w <= cfg.max_memory_gb * 2**30 and augment != "random_resized_crop"
-
-    if fits:
-        splits = {}
-        for name, ds in base.items():
-            images, labels = _cached_decode(root / name, ds, size)
-            splits[name] = Split(labels, images=images)
-    else:
-        fixed = [T.Resize(int(round(max(h, w) * 8 / 7)), antialias=True), T.CenterCrop((h, w))]
-        # random resized crops only when asked for: crop_flip is applied later, on the fixed crop, by the loader
-        crop = [T.RandomResizedCrop((h, w), antialias=True), T.RandomHorizontalFlip()]
-        train_tf = T.Compose([*(crop if augment == "random_resized_crop" else fixed), T.PILToTensor()])
-        eval_tf = T.Compose([*fixed, T.PILToTensor()])
-        splits = {name: Split(torch.tensor(ds.targets),
-                              files=_image_folder(root / name, train_tf if name == "train" else eval_tf))
-                  for name, ds in base.items()}
-    train = splits["train"]
-    if "val" in splits and "test" in splits:
-        val, test = splits["val"], splits["test"]
-    else:
-        train, val = carve_val(train, cfg.val_fraction)
-        test = splits.get("test", splits.get("val"))
-    if fits:
-        mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
-    else:
-        mean, std = IMAGENET_STATS
+    if n_total * 3 * h * w > cfg.max_memory_gb * 2**30 or augment == "random_resized_crop":
+        files = {name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
+                 for name, ds in base.items()}
+        return disk_bundle(cfg, files, classes, (h, w), augment)
+    splits = {}
+    for name, ds in base.items():
+        images, labels = _cached_decode(root / name, ds, size)
+        splits[name] = Split(labels, images=images)
+    train, val, test = _train_val_test(splits, cfg.val_fraction)
+    mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
     return DataBundle(cfg.name, train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
+
+
+def _resolve_augment(augment: str, h: int, w: int) -> str:
+    """data.augment=auto: crop_flip for small (CIFAR-like) images, random resized crops for larger ones."""
+    return augment if augment != "auto" else ("crop_flip" if max(h, w) <= 64 else "random_resized_crop")
+
+
+def _train_val_test(splits: dict[str, Split], val_fraction: float) -> tuple[Split, Split, Split]:
+    """train/ with val/ and test/, or a validation share carved from train when one of them is missing."""
+    if "val" in splits and "test" in splits:
+        return splits["train"], splits["val"], splits["test"]
+    train, val = carve_val(splits["train"], val_fraction)
+    return train, val, splits.get("test", splits.get("val"))
+
+
+def disk_bundle(cfg: DictConfig, files: dict[str, EncodedImages], classes: list[str], size: tuple[int, int],
+                augment: str) -> DataBundle:
+    """The DataBundle of splits that stay on disk (an ImageFolder too big for memory, packed shards): each batch
+    is decoded by the loader, cropped to `size` (random resized crops when training with random_resized_crop,
+    else resize + centre crop) and normalized with ImageNet's statistics."""
+    splits = {name: Split(f.labels, files=f) for name, f in files.items()}
+    train, val, test = _train_val_test(splits, cfg.val_fraction)
+    mean, std = IMAGENET_STATS
+    return DataBundle(cfg.name, train, val, test, len(classes), 3, tuple(size), mean, std,
+                      _resolve_augment(augment, *size), list(classes))
 
 
 def load_data(cfg: DictConfig) -> DataBundle:

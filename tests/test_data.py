@@ -13,15 +13,18 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf, open_dict
 
-from src import datasets
+from src import datasets, shards
 from src.config import ConfigError
 from src.datasets import DataBundle, Split, carve_val, check_data_config, load_data
 from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
 
-DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synthetic")
 
 # The data config of every option and experiment, recorded from the YAMLs before the shared keys moved to
-# conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new.
+# conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
+# the keys of images read from disk (issue 16: GPU decoding, random resized crop ranges, skipping bad images).
+ON_DISK = {"decode": "auto", "rrc_scale": [0.08, 1.0], "rrc_ratio": [0.75, 1.3333333333333333],
+           "skip_bad_images": False}
 BEFORE = {
     "digits": {"name": "digits", "batch_size": 128, "eval_batch_size": 512, "val_fraction": 0.15,
                "test_fraction": 0.2, "augment": "none", "cutout": 0, "pad_mode": "zeros", "num_workers": 0,
@@ -34,11 +37,15 @@ BEFORE = {
                  "pad_mode": "zeros", "num_workers": 4, "loader": "auto"},
     "imagefolder": {"name": "imagefolder", "root": "???", "image_size": None, "batch_size": 256,
                     "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "auto", "cutout": 0, "pad_mode": "zeros",
-                    "num_workers": 4, "loader": "auto", "max_memory_gb": 8},
+                    "num_workers": 4, "loader": "auto", "max_memory_gb": 8, **ON_DISK},
     "synthetic": {"name": "synthetic", "num_samples": 2048, "num_test": 512, "shape": [3, 32, 32], "num_classes": 10,
                   "batch_size": 256, "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "none", "cutout": 0,
                   "pad_mode": "zeros", "num_workers": 0, "loader": "auto"},
 }
+SHARDS = {"name": "shards", "root": "???", "image_size": None, "batch_size": 256, "eval_batch_size": 1024,
+          "val_fraction": 0.1, "augment": "auto", "cutout": 0, "pad_mode": "zeros", "num_workers": 4, "loader": "auto",
+          **ON_DISK}  # added with the on-disk keys (issue 16)
+BEFORE["shards"] = SHARDS
 JPEG = {"root": "${paths.data_dir}/cifar10-jpeg", "batch_size": 512}
 BEFORE_EXPERIMENTS = {
     "cifar10_94": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 8, "loader": "gpu"},
@@ -48,7 +55,7 @@ BEFORE_EXPERIMENTS = {
 }
 BUILDERS = {"digits": datasets.load_digits_data, "cifar10": datasets.load_cifar10,
             "cifar100": datasets.load_cifar100, "imagefolder": datasets.load_imagefolder,
-            "synthetic": datasets.load_synthetic}
+            "shards": shards.load_shards, "synthetic": datasets.load_synthetic}
 
 
 def composed_data(*overrides: str) -> dict:
@@ -106,7 +113,7 @@ def test_every_data_yaml_names_its_builder(option):
 @pytest.mark.parametrize("option", DATA_OPTIONS)
 def test_data_options_compose_to_the_values_before(option):
     data = composed_data(f"data={option}")
-    assert data.pop("_target_") == f"src.datasets.{BUILDERS[option].__name__}"
+    assert data.pop("_target_") == f"{BUILDERS[option].__module__}.{BUILDERS[option].__name__}"
     assert data == BEFORE[option]
 
 
@@ -317,6 +324,11 @@ def test_a_folder_named_like_an_image_is_no_sample(tmp_path):
     ("data._target_=src.datasets.no_such_loader",
      r"data._target_=src.datasets.no_such_loader cannot be imported as a function \(Are you sure"),
     ("data._target_=tests.test_data.empty_train", r"the train split of data=digits is empty"),
+    ("+data.decode=nvjpeg", r"data.decode must be auto, gpu or cpu, got 'nvjpeg'"),
+    ("+data.rrc_scale=[0.5,0.1]", r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1 .*got \[0.5, 0.1\]"),
+    ("+data.rrc_scale=[0.5,2]", r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1"),
+    ("+data.rrc_ratio=0.75", r"data.rrc_ratio must be \[low, high\] with 0 < low <= high \(width / height\), got 0.75"),
+    ("+data.skip_bad_images=sometimes", r"data.skip_bad_images must be true or false, got 'sometimes'"),
 ])
 def test_bad_data_settings_are_one_line(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as excinfo:
@@ -339,4 +351,5 @@ def test_the_checks_run_before_any_data_is_read(tmp_path):
 
 @pytest.mark.parametrize("option", DATA_OPTIONS)
 def test_every_shipped_data_option_passes_the_checks(tmp_path, option):
-    check_data_config(make_cfg(tmp_path, f"data={option}", *(["data.root=/x"] if option == "imagefolder" else [])).data)
+    root = ["data.root=/x"] if option in ("imagefolder", "shards") else []
+    check_data_config(make_cfg(tmp_path, f"data={option}", *root).data)

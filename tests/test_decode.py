@@ -1,0 +1,287 @@
+"""Images read from disk (issue 16): batched decoding on the device with a CPU fallback, random resized crops
+drawn like torchvision's from (seed, epoch, sample id), the evaluation resize + centre crop, one-line errors for
+bad files, and batches that are the same for any world size, decode path and resume point. All on the CPU,
+where the "device" decoder is torchvision's CPU decoder."""
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+from src.augment import DiskCrops, rrc_boxes, rrc_params, sample_uniforms
+from src.config import ConfigError
+from src.datasets import load_data
+from src.decode import decode_cpu, gpu_decodable
+from src.loaders import DiskLoader, build_loader, plan_epoch
+from src.trainer import train
+from tests.conftest import make_cfg
+
+CPU = torch.device("cpu")
+DEFAULT = ((0.08, 1.0), (3 / 4, 4 / 3))
+
+
+def encode(pixels: np.ndarray, kind: str) -> bytes:
+    """An H x W x 3 image as a file of `kind`: jpeg, progressive, cmyk, gray, png."""
+    from PIL import Image
+
+    img, out = Image.fromarray(pixels), io.BytesIO()
+    {"jpeg": lambda: img.save(out, "JPEG", quality=90),
+     "progressive": lambda: img.save(out, "JPEG", quality=90, progressive=True),
+     "cmyk": lambda: img.convert("CMYK").save(out, "JPEG", quality=90),
+     "gray": lambda: img.convert("L").save(out, "JPEG", quality=90),
+     "png": lambda: img.save(out, "PNG")}[kind]()
+    return out.getvalue()
+
+
+def pil_rgb(data: bytes) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1)
+
+
+def write_tree(root: Path, kinds=("jpeg",), per_class=(6, 3), seed=0, smooth=False) -> None:
+    """train/ and test/ with two classes of noise images of varied sizes, cycling through `kinds`; `smooth`:
+    blobs a few pixels wide instead (decoders then differ by a level or two, chroma subsampling included)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split, n in zip(("train", "test"), per_class):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                h, w = rng.integers(24, 72, 2)
+                kind = kinds[i % len(kinds)]
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                if smooth:
+                    pixels = np.array(Image.fromarray(pixels[:8, :8]).resize((int(w), int(h)), Image.BICUBIC))
+                (root / split / c / f"{i}.{'png' if kind == 'png' else 'jpg'}").write_bytes(encode(pixels, kind))
+
+
+def disk_data(tmp_path: Path, root: Path, *overrides: str):
+    cfg = make_cfg(tmp_path, "data=imagefolder", f"data.root={root}", "data.image_size=16",
+                   "data.augment=random_resized_crop", "data.num_workers=0", "data.val_fraction=0", *overrides)
+    return load_data(cfg.data), cfg
+
+
+def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU):
+    with_decode = cfg.data.copy()
+    with_decode.decode = decode
+    loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
+    assert isinstance(loader, DiskLoader) and loader.name == ("gpudecode" if decode == "gpu" else "classic")
+    try:
+        if eval_split:
+            return list(loader.eval_batches(eval_split, torch.arange(len(getattr(data, eval_split))), 4))
+        return [(b.x, b.y) for b in loader.train_batches(steps, epoch)]
+    finally:
+        loader.close()
+
+
+# --- the crop parameters: torchvision's distribution, from (seed, epoch, id) ---------------------------------
+
+@pytest.mark.parametrize("shape,scale,ratio", [((375, 500), *DEFAULT), ((500, 333), *DEFAULT), ((64, 64), *DEFAULT),
+                                               ((300, 400), (0.25, 0.9), (0.5, 2.0))])
+def test_crop_parameters_follow_torchvision_random_resized_crop(shape, scale, ratio):
+    ks_2samp = pytest.importorskip("scipy.stats").ks_2samp
+    n, (H, W) = 3000, shape
+    ours, _ = rrc_params(3, 1, np.arange(n), [H] * n, [W] * n, scale, ratio)
+    torch.manual_seed(0)
+    image = torch.empty(3, H, W)
+    ref = np.array([v2.RandomResizedCrop.get_params(image, list(scale), list(ratio)) for _ in range(n)])
+    for boxes in (ours, ref):  # every box inside the image
+        assert (boxes[:, :2] >= 0).all() and (boxes[:, 0] + boxes[:, 2] <= H).all()
+        assert (boxes[:, 1] + boxes[:, 3] <= W).all() and (boxes[:, 2:] > 0).all()
+
+    def features(b):  # area share, aspect, relative position
+        return {"area": b[:, 2] * b[:, 3] / (H * W), "aspect": b[:, 3] / b[:, 2],
+                "top": b[:, 0] / np.maximum(H - b[:, 2], 1), "left": b[:, 1] / np.maximum(W - b[:, 3], 1)}
+
+    mine, theirs = features(ours), features(ref)
+    for key in mine:
+        assert ks_2samp(mine[key], theirs[key]).pvalue > 1e-3, key
+        assert abs(mine[key].min() - theirs[key].min()) < 0.02 and abs(mine[key].max() - theirs[key].max()) < 0.05, key
+
+
+@pytest.mark.parametrize("shape,scale", [((10, 200), (0.9, 1.0)), ((200, 10), (0.9, 1.0)), ((30, 30), (1.5, 2.0))])
+def test_the_fallback_is_torchvision_centre_crop(shape, scale):
+    """When no draw fits, torchvision crops the whole image to the nearest allowed aspect ratio, centred."""
+    n, (H, W) = 50, shape
+    ours, _ = rrc_params(0, 0, np.arange(n), [H] * n, [W] * n, scale, DEFAULT[1])
+    expected = v2.RandomResizedCrop.get_params(torch.empty(3, H, W), list(scale), list(DEFAULT[1]))
+    assert (ours == np.array(expected)).all()
+
+
+def test_the_fallback_is_as_frequent_as_torchvision():
+    n, (H, W) = 4000, (40, 400)  # most draws are too tall for this strip: most samples fall back
+    u = sample_uniforms(1, 0, np.arange(n), 40).reshape(n, 10, 4)
+    fallback = rrc_boxes(u, [H] * n, [W] * n)
+    torch.manual_seed(1)
+    ref = np.array([v2.RandomResizedCrop.get_params(torch.empty(3, H, W), [0.08, 1.0], [3 / 4, 4 / 3])
+                    for _ in range(n)])
+    centre = v2.RandomResizedCrop.get_params(torch.empty(3, H, W), [2.0, 2.0], [3 / 4, 4 / 3])  # always falls back
+    rate, ref_rate = ((b == np.array(centre)).all(axis=1).mean() for b in (fallback, ref))
+    assert 0.5 < ref_rate < 0.95 and abs(rate - ref_rate) < 0.05
+
+
+def test_draws_depend_on_seed_epoch_and_id_only():
+    ids = np.array([5, 0, 17, 3])
+    alone = np.concatenate([sample_uniforms(2, 4, [i], 41) for i in ids])
+    assert np.array_equal(sample_uniforms(2, 4, ids, 41), alone)  # batch-independent
+    for other in ((3, 4), (2, 5)):
+        assert not np.allclose(sample_uniforms(*other, ids, 41), alone)
+    u = sample_uniforms(0, 0, np.arange(20000), 2)
+    assert abs(u.mean() - 0.5) < 0.01 and 0 <= u.min() and u.max() < 1 and abs(np.corrcoef(u.T)[0, 1]) < 0.03
+
+
+# --- the pixels: batched crops equal each image's own, evaluation equals Resize + CenterCrop ------------------
+
+def random_images(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(20, 90, (n, 2), generator=g).tolist()
+    return [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
+
+
+def test_each_random_resized_crop_equals_its_own_reference():
+    images, ids, size = random_images(12), torch.tensor([9, 2, 40, 7, 11, 0, 3, 5, 8, 1, 30, 31]), (16, 20)
+    crops = DiskCrops(size, True, seed=5)
+    batch = crops(images, ids, epoch=3)
+    assert batch.dtype == torch.uint8 and batch.shape == (12, 3, *size)
+    for k, (image, i) in enumerate(zip(images, ids.tolist())):
+        (box,), (flip,) = rrc_params(5, 3, [i], [image.shape[1]], [image.shape[2]], *DEFAULT)  # this image alone
+        top, left, h, w = box.tolist()
+        ref = TF.resized_crop(image, top, left, h, w, list(size), antialias=True)
+        by_hand = F.interpolate(image[None, :, top:top + h, left:left + w].float(), size, mode="bilinear",
+                                antialias=True)[0].round().clamp(0, 255).to(torch.uint8)
+        if flip:
+            ref, by_hand = TF.horizontal_flip(ref), by_hand.flip(-1)
+        assert (batch[k].int() - ref.int()).abs().max() <= 1 and (batch[k].int() - by_hand.int()).abs().max() <= 1
+
+
+def test_evaluation_matches_resize_and_center_crop():
+    from PIL import Image
+
+    images, size = random_images(6, seed=1), (16, 16)
+    batch = DiskCrops(size, True, seed=0)(images, torch.arange(6), epoch=None)  # evaluation: no randomness
+    short = round(16 * 8 / 7)
+    reference = v2.Compose([v2.Resize(short, antialias=True), v2.CenterCrop(size)])
+    for image, got in zip(images, batch):
+        assert torch.equal(got, reference(image))  # the tensor path: same kernel
+        pil = reference(Image.fromarray(image.permute(1, 2, 0).numpy()))
+        assert (got.int() - torch.from_numpy(np.array(pil)).permute(2, 0, 1).int()).abs().max() <= 2
+
+
+# --- decoding: the device decoder where it can, the CPU for the rest ------------------------------------------
+
+def test_what_the_device_decoder_gets_and_the_cpu_fallback():
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    files = {kind: encode(pixels, kind) for kind in ("jpeg", "progressive", "cmyk", "gray", "png")}
+    assert [kind for kind, data in files.items() if gpu_decodable(data)] == ["jpeg"]
+    assert not gpu_decodable(files["jpeg"][:-100])  # truncated: no end marker
+    for kind, data in files.items():
+        image = decode_cpu(torch.frombuffer(bytearray(data), dtype=torch.uint8), kind)
+        assert image.shape == (3, 20, 28) and torch.equal(image, pil_rgb(data)), kind
+
+
+def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path):
+    """PNG, CMYK, grayscale and progressive files fall back to the CPU decoder inside the device path: the batches
+    equal the CPU path's, bit for bit (on the CPU the device decoder is libjpeg too)."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png", "cmyk", "gray", "progressive"), per_class=(10, 5))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
+    for gpu, cpu in zip(batches(data, cfg, steps, 2, "gpu"), batches(data, cfg, steps, 2, "cpu")):
+        assert torch.equal(gpu[0], cpu[0]) and torch.equal(gpu[1], cpu[1])
+    gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in ("gpu", "cpu"))
+    assert len(gpu) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(gpu, cpu))
+    assert gpu[0][0].dtype == torch.float32 and gpu[0][0].shape == (4, 3, 16, 16)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplog):
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    bad = tmp_path / "tree/train/b/2.jpg"
+    blob = bad.read_bytes()
+    bad.write_bytes(blob[:len(blob) // 2] if damage == "truncated" else b"\xff\xd8 not a jpeg")
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
+    for decode in ("gpu", "cpu"):
+        with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
+            batches(data, cfg, steps, 0, decode)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
+    with caplog.at_level(logging.WARNING, logger="src.loaders"):
+        (x, y), = batches(data, cfg, steps, 0, "gpu")
+    assert len(x) == len(y) == 7
+    assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_names_the_bad_file_in_one_line(tmp_path):
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    bad = tmp_path / "tree/train/a/1.jpg"
+    bad.write_bytes(b"nothing")
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=1")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
+    with pytest.raises(ConfigError) as info:
+        batches(data, cfg, steps, 0, "cpu")
+    assert str(info.value).startswith(f"{bad}: cannot read this image") and "\n" not in str(info.value)
+
+
+# --- the same batches for any world size and after a resume ---------------------------------------------------
+
+def test_two_ranks_see_exactly_the_single_rank_batch(tmp_path):
+    write_tree(tmp_path / "tree", per_class=(9, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    single = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=1)
+    one = batches(data, cfg, single, 1)
+    ranks = [plan_epoch(len(data.train), 8, 2, r, 1, seed=7, epoch=1) for r in (0, 1)]
+    two = [batches(data, cfg, plan, 1) for plan in ranks]
+    for k, step in enumerate(single):
+        by_id = dict(zip(step.micro[0].tolist(), one[k][0]))
+        union = [(i, x) for r in (0, 1) for i, x in zip(ranks[r][k].micro[0].tolist(), two[r][k][0])]
+        assert sorted(i for i, _ in union) == sorted(by_id)
+        assert all(torch.equal(x, by_id[i]) for i, x in union)
+
+
+def test_a_resumed_epoch_crops_each_sample_the_same_way(tmp_path):
+    write_tree(tmp_path / "tree", per_class=(9, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 4, 1, 0, 1, seed=7, epoch=1)
+    full = batches(data, cfg, steps, 1)
+    resumed = batches(data, cfg, steps[2:], 1)  # what a run resumed at step 2 asks for, in a fresh loader
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[2:], resumed))
+    assert not torch.equal(batches(data, cfg, steps, 2)[0][0], full[0][0])  # another epoch, other crops
+
+
+# --- on CUDA (the GPU machine): nvjpeg and the side stream --------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kinds", [("jpeg",), ("jpeg", "png", "cmyk", "gray", "progressive")])
+def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    write_tree(tmp_path / "tree", kinds=kinds, per_class=(10, 5), smooth=True)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
+    cuda = batches(data, cfg, steps, 2, "gpu", device=torch.device("cuda"))
+    cpu = batches(data, cfg, steps, 2, "cpu")
+    std = torch.tensor(data.std).view(1, 3, 1, 1)
+    for (x, y), (ref, ref_y) in zip(cuda, cpu):
+        assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last) and torch.equal(y.cpu(), ref_y)
+        levels = ((x.cpu() - ref) * std * 255).abs()  # nvjpeg's IDCT and float resizing: a few levels apart
+        assert levels.mean() < 3 and levels.max() < 64  # a crop from elsewhere differs by tens of levels
+
+
+@pytest.mark.gpu
+def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    write_tree(tmp_path / "tree", per_class=(16, 4))
+    _, cfg = disk_data(tmp_path, tmp_path / "tree", "trainer.device=cuda", "data.decode=gpu", "data.batch_size=8",
+                       "trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.max_epochs=2")
+    metrics = train(cfg)
+    assert metrics["test_count"] == 8 and np.isfinite(metrics["test_loss"])
