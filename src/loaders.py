@@ -398,14 +398,12 @@ class DiskLoader(ClassicLoader):
         """Decode and crop the next batches in a thread while this one runs the model's step: nvjpeg parses
         each JPEG on the host, so in the training thread it would take turns with the step's launches."""
         done, out = object(), queue.Queue(maxsize=depth)
-        batches = _one_line_errors(iter(loader))  # iter() forks the workers: from this thread, never from the
-        # decoding one (a fork while another thread holds a lock can leave the child waiting on it forever)
 
         def work():
             if self.stream is not None:
                 torch.cuda.set_device(self.device)
             try:
-                for batch in batches:
+                for batch in _one_line_errors(loader):
                     out.put(self._finish(batch, split, epoch))
                 out.put(done)
             except BaseException as exc:  # handed to the training thread, which raises it
