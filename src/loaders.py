@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-import queue
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -377,54 +375,7 @@ class DiskLoader(ClassicLoader):
         self.stream = torch.cuda.Stream(device) if on_device and device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None  # the side stream's last batch
 
-    def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
-        if not self.on_device:
-            yield from super().train_batches(steps, epoch)
-            return
-        requests = [(epoch, ids) for step in steps for ids in step.micro]
-        flat = self._ahead(self._loader("train", requests), "train", epoch)
-        for step in steps:
-            for k in range(len(step.micro)):
-                x, y = next(flat)
-                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
-
-    def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
-        if not self.on_device:
-            yield from super().eval_batches(split, ids, batch_size)
-            return
-        yield from self._ahead(self._loader(split, [(None, chunk) for chunk in ids.split(batch_size)]), split, None)
-
-    def _ahead(self, loader, split: str, epoch: int | None, depth: int = 2) -> Iterator[tuple]:
-        """Decode and crop the next batches in a thread while this one runs the model's step: nvjpeg parses
-        each JPEG on the host, so in the training thread it would take turns with the step's launches."""
-        done, out = object(), queue.Queue(maxsize=depth)
-
-        def work():
-            if self.stream is not None:
-                torch.cuda.set_device(self.device)
-            try:
-                for batch in _one_line_errors(loader):
-                    out.put(self._finish(batch, split, epoch))
-                out.put(done)
-            except BaseException as exc:  # handed to the training thread, which raises it
-                out.put(exc)
-
-        threading.Thread(target=work, daemon=True, name=f"ddplab-decode-{split}").start()
-        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
-        while (item := out.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            if main is None:
-                yield item
-                continue
-            x, y, ready = item
-            main.wait_event(ready)  # here, not in the thread: the step queued before must not wait for it
-            x.record_stream(main)   # allocated on the side stream, used on the main one
-            y.record_stream(main)
-            yield x, y
-
-    def _finish(self, batch, split: str, epoch: int | None):
-        """(x, y) on the device; on the side stream (x, y, the event that marks them ready)."""
+    def _finish(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stream is None:
             return self._prepare(batch, split, epoch)
         if self._done is not None:  # nvjpeg writes on its own stream, into memory this stream may still read
@@ -433,7 +384,11 @@ class DiskLoader(ClassicLoader):
             x, y = self._prepare(batch, split, epoch)
             self._done = torch.cuda.Event()
             self._done.record(self.stream)
-        return x, y, self._done
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.stream)
+        x.record_stream(main)  # allocated on the side stream, used on the main one
+        y.record_stream(main)
+        return x, y
 
     def _prepare(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         skipped, ids, y = list(batch.skipped), batch.ids, batch.y
