@@ -1,9 +1,19 @@
-"""Checkpoints: written atomically (temp file + rename), read with one-line errors."""
+"""Checkpoints: written atomically (temp file + rename), read with one-line errors.
+
+Two formats, both under `<run dir>/checkpoints/`, both readable by every strategy on any number of ranks:
+- full: `last.pt` / `best.pt`, one torch.save file written by rank 0 (model, optimizer and the rest);
+- sharded: `last/` / `best/`, a torch.distributed.checkpoint (DCP) directory where each rank wrote its own
+  shards (`.metadata`, `__<rank>_0.distcp`) and rank 0 the non-tensor state (`state.pt`: progress,
+  scheduler, scaler, RNG, config). `python -m src.checkpoint export <dir> <file.pt>` makes it a full one.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -57,33 +67,135 @@ def save_atomic(state: dict, path: Path) -> None:
         raise  # not the disk's fault (e.g. an unpicklable object): a bug to see in full
 
 
-def load(path: Path | str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist; pass an existing file or trainer.resume=none")
+STATE = "state.pt"  # in a sharded checkpoint: everything but the model and optimizer tensors
+
+
+def _read(path: Path, what: Path) -> dict:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(what, map_location="cpu", weights_only=False)
     except Exception as exc:
         cause = " ".join(str(exc).split())[:80]  # one line, whatever torch says
         raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); "
                           f"pass another file or trainer.resume=none") from None
+
+
+def load(path: Path | str) -> dict:
+    """A full checkpoint file's contents; of a sharded directory, its `state.pt` only (the tensors stay on
+    disk until a strategy loads its shards of them: `Strategy.load_checkpoint`)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / ".metadata").is_file() or not (path / STATE).is_file():
+            raise ConfigError(f"{path} is not a ddplab checkpoint (a sharded one holds .metadata and {STATE}); "
+                              f"pass a checkpoint written by train.py")
+        return _read(path, path / STATE)
+    if not path.is_file():
+        raise ConfigError(f"checkpoint {path} does not exist; pass an existing file or trainer.resume=none")
+    state = _read(path, path)
     if not isinstance(state, dict) or "model" not in state:
         raise ConfigError(f"{path} is not a ddplab checkpoint (no 'model' entry); pass a file written by train.py")
     return state
 
 
-def check_compatible(state: dict, model_state: dict, path) -> None:
-    """Same parameter names and shapes, or a one-line error naming the first difference."""
-    saved = state["model"]
-    missing = [k for k in model_state if k not in saved]
-    unexpected = [k for k in saved if k not in model_state]
-    shapes = [k for k in model_state if k in saved and tuple(saved[k].shape) != tuple(model_state[k].shape)]
+def check_compatible(saved: dict, model: dict, path) -> None:
+    """Same parameter names and shapes (`{name: shape}` of the checkpoint and of the model), or a one-line
+    error naming the first difference."""
+    missing = [k for k in model if k not in saved]
+    unexpected = [k for k in saved if k not in model]
+    shapes = [k for k in model if k in saved and tuple(saved[k]) != tuple(model[k])]
     if missing or unexpected or shapes:
         what = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
-                else f"shape of {shapes[0]} is {tuple(saved[shapes[0]].shape)} vs "
-                     f"{tuple(model_state[shapes[0]].shape)}")
+                else f"shape of {shapes[0]} is {tuple(saved[shapes[0]])} vs {tuple(model[shapes[0]])}")
         raise ConfigError(f"checkpoint {path} does not match this model/data ({what}); use the model= and "
                           f"data= it was trained with, or trainer.resume=none")
+
+
+def saved_shapes(path: Path | str, state: dict) -> dict[str, tuple]:
+    """`{parameter or buffer name: shape}` of the model in a checkpoint of either format (`state`: `load(path)`)."""
+    path = Path(path)
+    if not path.is_dir():
+        return {k: tuple(v.shape) for k, v in state["model"].items()}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): tuple(m.size) for k, m in entries.items() if k.startswith("model.")}
+
+
+def find(directory: Path, name: str) -> Path | None:
+    """Checkpoint `name` ("last", "best") of a run in either format: `<name>.pt` or `<name>/`, the newer if
+    both are there; a sharded one caught between the two renames of its replacement is its previous version."""
+    found = [p for p in (directory / f"{name}.pt", directory / name) if p.exists()]
+    if not found and (directory / f".{name}.old" / STATE).is_file():
+        return directory / f".{name}.old"
+    return max(found, key=lambda p: (p / STATE if p.is_dir() else p).stat().st_mtime_ns, default=None)
+
+
+def save_full(state: dict, directory: Path, names: list[str]) -> None:
+    """Rank 0: `state` as `directory/<name>.pt` for each of `names` (a sharded one of the same name is now older)."""
+    for name in names:
+        save_atomic(state, directory / f"{name}.pt")
+        shutil.rmtree(directory / name, ignore_errors=True)
+
+
+def save_sharded(tensors: dict, state: dict, directory: Path, names: list[str], primary: bool) -> None:
+    """Collective: every rank writes its shards of `tensors` (DCP), rank 0 adds `state` (the non-tensor rest),
+    then each of `names` becomes `directory/<name>/` by a rename. Nothing is gathered on one rank."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = directory / f".{names[-1]}.tmp"
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    if dist.is_initialized():
+        dist.barrier()  # no rank writes into the directory before it is emptied
+    dcp.save(tensors, checkpoint_id=tmp)  # returns once every rank's shards and the .metadata are written
+    if not primary:
+        return
+    save_atomic(state, tmp / STATE)  # written last: a directory with state.pt is complete
+    for name in names[:-1]:  # the same checkpoint under another name: hard links, no second write
+        copy = directory / f".{name}.tmp"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tmp, copy, copy_function=_link)
+        _publish(copy, directory / name)
+    _publish(tmp, directory / names[-1])
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(src, dst)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the complete directory `tmp` the checkpoint `final`. A directory cannot replace another in one
+    rename, so the previous one is first renamed `.<name>.old` (where `find` still finds it) and removed last."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    final.with_name(f"{final.name}.pt").unlink(missing_ok=True)  # a full one of the same name is now older
+
+
+def load_full(path: Path | str) -> dict:
+    """A checkpoint of either format as one full state dict in memory (a sharded one is assembled from its
+    shards with torch's dcp_to_torch_save, through a temporary file)."""
+    path = Path(path)
+    state = load(path)
+    if not path.is_dir():
+        return state
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "full.pt")
+        tensors = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    return {**state, **tensors}
+
+
+def export(path: Path | str, out: Path | str) -> None:
+    """Write checkpoint `path` (e.g. a sharded directory) as one full checkpoint file `out`."""
+    save_atomic(load_full(path), Path(out))
 
 
 def rng_state() -> dict:
@@ -99,3 +211,21 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def main(argv: list[str]) -> int:
+    """`python -m src.checkpoint export <checkpoint> <out.pt>`: a sharded checkpoint as one file."""
+    if len(argv) != 3 or argv[0] != "export":
+        print("usage: python -m src.checkpoint export <checkpoint dir or file> <out.pt>", file=sys.stderr)
+        return 2
+    try:
+        export(argv[1], argv[2])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {argv[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,15 +6,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.checkpoint import load
+from src.checkpoint import find, load
 from src.schema import ConfigError
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
 # strategy and device count may change because the global batch, not the per-device one, defines the math.
+# Activation checkpointing recomputes the same numbers (and a checkpoint's names do not depend on it).
 MAY_CHANGE = ("strategy", "cluster", "paths", "logger", "hydra", "train", "ckpt_path", "trainer.devices",
               "trainer.device", "trainer.progress_bar", "trainer.max_restarts", "trainer.resume", "trainer.threads",
-              "trainer.limit_eval_batches", "trainer.test_every_epoch", "data.num_workers", "data.loader",
-              "data.eval_batch_size", "data.root", "data.max_memory_gb", "data.download")
+              "trainer.limit_eval_batches", "trainer.test_every_epoch", "trainer.activation_checkpointing",
+              "data.num_workers", "data.loader", "data.eval_batch_size", "data.root", "data.max_memory_gb",
+              "data.download")
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -57,8 +59,8 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
                 cfg.model = OmegaConf.create(saved["model"])
         return cfg
     resume = cfg.trainer.resume
-    path = Path(cfg.paths.output_dir) / "checkpoints" / "last.pt" if resume == "auto" else \
-        None if resume in (None, "none") else Path(resume)
+    path = find(Path(cfg.paths.output_dir) / "checkpoints", "last") if resume == "auto" else \
+        None if resume in (None, "none") else Path(resume)  # auto: last.pt or a sharded last/
     if path is None or not path.exists():
         return cfg
     saved = load(path).get("config")

@@ -167,6 +167,7 @@ class Trainer:
     flip_tta: bool
     tta_shift: Annotated[int, NonNegative]
     threads: Literal["auto"] | Annotated[int, Positive]
+    activation_checkpointing: bool
 
 
 @dataclass

@@ -41,43 +41,40 @@ class Progress:
 
 
 class Checkpoints:
-    """`<run dir>/checkpoints/{last,best}.pt`: written by rank 0 atomically, read by every rank."""
+    """`<run dir>/checkpoints/{last,best}`: the strategy decides the format (a `.pt` file written by rank 0, or a
+    sharded directory every rank writes into: src/checkpoint.py); either format resumes and evaluates anywhere."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
         self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
 
     def resume_path(self) -> Path | None:
-        resume, last = self.cfg.trainer.resume, self.dir / "last.pt"
+        resume, last = self.cfg.trainer.resume, ckpt.find(self.dir, "last")
         if resume in (None, "none"):
-            if last.exists():
-                raise ConfigError(f"{self.dir.parent} already holds a run (checkpoints/last.pt) and "
-                                  f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run directory")
+            if last is not None:
+                raise ConfigError(f"{self.dir.parent} already holds a run (checkpoints/{last.name}) and "
+                                  f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run "
+                                  f"directory")
             return None
         if resume == "auto":
-            return last if last.exists() else None
+            return last
         return Path(resume)
 
-    def save(self, names: list[str], progress: Progress) -> None:
-        """Collective (the state is gathered under fsdp); rank 0 writes."""
-        model_state, optim_state = self.strategy.state_dict(self.optimizer)
+    def save(self, names: list[str], progress: Progress) -> list[Path]:
+        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). Returns the paths written."""
         totals = progress.partial_totals
-        state = {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
-                 "scaler": self.scaler.state_dict(), "epoch": progress.epoch, "step": progress.step,
+        state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                 "epoch": progress.epoch, "step": progress.step,
                  "partial_totals": None if totals is None else totals.cpu(),
                  "best_val_top1": progress.best_val_top1, "best_epoch": progress.best_epoch,
                  "history": progress.history, "rng": ckpt.rng_state(), "strategy": self.strategy.name,
                  "config": OmegaConf.to_container(self.cfg, resolve=True)}
-        if self.primary:
-            for name in names:
-                ckpt.save_atomic(state, self.dir / name)
+        names = [name.removesuffix(".pt") for name in names]
+        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
+        return [ckpt.find(self.dir, name) or self.dir / name for name in names]
 
     def load_weights(self, path, with_optimizer: bool = False) -> dict:
-        state = ckpt.load(path)
-        ckpt.check_compatible(state, self.strategy.core.state_dict(), path)
-        self.strategy.load_state_dict(state["model"], self.optimizer if with_optimizer else None,
-                                      state["optimizer"] if with_optimizer else None)
-        return state
+        return self.strategy.load_checkpoint(path, self.optimizer if with_optimizer else None)
 
     def restore(self, path: Path) -> Progress:
         state = self.load_weights(path, with_optimizer=True)
@@ -90,5 +87,4 @@ class Checkpoints:
                         state["best_epoch"], state["history"])
 
     def final_weights(self) -> Path:
-        best = self.dir / "best.pt"
-        return best if best.exists() else self.dir / "last.pt"
+        return ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last") or self.dir / "last.pt"

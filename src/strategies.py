@@ -6,22 +6,31 @@ model, skipping gradient sync on accumulation micro-steps, gradient and buffer s
 evaluate, checkpoint state in and out, and what it supports. Nothing else compares strategy names.
 Adding one: a subclass here (or in any importable module) and a YAML naming it (docs/extending.md).
 
-`core` keeps the parameter names without `module.` prefixes, so a checkpoint from any strategy loads
-in any other.
+`core` is the model without the `module.` prefix of DDP/DataParallel, and checkpoints are written through
+torch's state-dict helpers, which also drop the prefixes of compiled blocks (`_orig_mod.`) and of activation
+checkpointing: a checkpoint from any strategy, in either format (src/checkpoint.py), loads in any other.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
-from src.schema import ConfigError, PositiveReal
+from src import checkpoint as ckpt
+from src.schema import ConfigError, Positive, PositiveReal
 
 
 @dataclass
@@ -116,11 +125,47 @@ class Strategy:
     def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None) -> None:
         options = StateDictOptions(full_state_dict=True, strict=True)
         if optimizer is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
             set_model_state_dict(self.core, model_state, options=options)
         else:
             set_state_dict(self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=options)
+
+    def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
+        """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
+        Here the full state is gathered and rank 0 writes `<name>.pt` (src/checkpoint.py)."""
+        model_state, optim_state = self.state_dict(optimizer)
+        if primary:
+            ckpt.save_full({"model": model_state, "optimizer": optim_state, **state}, directory, names)
+
+    def load_checkpoint(self, path, optimizer=None) -> dict:
+        """Load a checkpoint of either format into the model (and `optimizer`); return the rest of its state.
+        From a sharded one each rank reads what its own layout holds, whatever number of ranks wrote it."""
+        path = Path(path)
+        state = ckpt.load(path)
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.core).items()}  # no gather
+        ckpt.check_compatible(ckpt.saved_shapes(path, state), shapes, path)
+        if not path.is_dir():
+            self.load_state_dict(state["model"], optimizer, state["optimizer"] if optimizer is not None else None)
+            return state
+        import torch.distributed.checkpoint as dcp
+
+        if optimizer is None:
+            tensors = {"model": get_model_state_dict(self.core)}
+        else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
+            tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
+        with warnings.catch_warnings():  # one process (no process group) reading it is intended
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=path)
+        if optimizer is None:
+            set_model_state_dict(self.core, tensors["model"])
+        else:
+            set_state_dict(self.core, optimizer, model_state_dict=tensors["model"],
+                           optim_state_dict=tensors["optimizer"])
+        return state
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's blocks, each recomputed as one by activation checkpointing (FSDP: its shard units)."""
+        return shard_targets(model, "auto")
 
     def replicas_agree(self, device: torch.device) -> dict[str, bool]:
         """Are the parameters / BatchNorm running stats identical on every rank? Sharded (FSDP) parameters
@@ -345,10 +390,17 @@ def _flat_layout_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 @dataclass
 class FSDP(_Distributed):
-    """FSDP2 (torch.distributed.fsdp.fully_shard); bf16 params and compute, fp32 gradient reduction with amp."""
+    """FSDP2 (torch.distributed.fsdp.fully_shard) laid out as torchtitan does: each block is one shard unit,
+    compiled on its own before it is sharded (trainer.compile), with the next unit's all-gather prefetched
+    explicitly; the root holds what no block does (stem, head). Checkpoints are sharded (DCP) by default."""
 
-    shard_modules: Literal["auto"] | list[str] | None = "auto"  # auto: the children (resnet layers: their blocks)
-    reshard_after_forward: bool = True
+    shard_modules: Literal["auto"] | list[str] | None = "auto"  # auto: the model's blocks (`shard_targets`)
+    reshard_after_forward: bool | Annotated[int, Positive] = True  # int n: regather from groups of n ranks
+    prefetch: bool | Annotated[int, Positive] = True  # all-gather the next unit(s) early: true = 1, n = n ahead
+    param_dtype: Literal["bf16", "fp32"] | None = None  # null: trainer.amp's dtype with amp, else fp32
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"       # of the gradient reduce-scatter
+    cpu_offload: bool = False           # sharded parameters, gradients and optimizer step on the CPU
+    checkpoint_format: Literal["sharded", "full"] = "sharded"
 
     name: ClassVar[str] = "fsdp"
     cuda_graphs: ClassVar[bool] = False
@@ -356,23 +408,59 @@ class FSDP(_Distributed):
     channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
     averages_gradients: ClassVar[bool] = True
 
+    def processes(self, requested, available, device_type, launched, launched_local):
+        world, per_process = super().processes(requested, available, device_type, launched, launched_local)
+        group = self.reshard_after_forward
+        if not isinstance(group, bool) and world % group:
+            divisors = [str(d) for d in range(2, world) if world % d == 0]
+            raise ConfigError(f"strategy.reshard_after_forward={group} must divide the {world} ranks (the group "
+                              f"each parameter is regathered from in the backward); use "
+                              f"{', '.join(['true', 'false', *divisors])}")
+        return world, per_process
+
     def preflight(self, cfg):
         from src.models import build_model
 
         with torch.device("meta"):
             shard_targets(build_model(cfg.model, num_classes=10, in_channels=3), self.shard_modules)
 
-    def wrap(self, model, ctx):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    def blocks(self, model):
+        return shard_targets(model, self.shard_modules)
 
-        policy = MixedPrecisionPolicy(param_dtype=ctx.amp_dtype, reduce_dtype=torch.float32) if ctx.amp else \
-            MixedPrecisionPolicy()
-        for sub in shard_targets(model, self.shard_modules):
-            fully_shard(sub, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
-        self.core = model
-        self.model = ctx.compiled(model)
+    def mp_policy(self, ctx: Context):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        param = dtypes[self.param_dtype] if self.param_dtype else ctx.amp_dtype if ctx.amp else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=dtypes[self.reduce_dtype])
+
+    def wrap(self, model, ctx):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        units = shard_targets(model, self.shard_modules)
+        if ctx.compile:  # one graph per block (repeated blocks share it); FSDP's hooks stay outside the graphs
+            limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
+            torch._dynamo.config.recompile_limit = max(limit, len(units))
+            units = [_replace(model, unit, torch.compile(unit, mode=ctx.compile_mode, dynamic=False))
+                     for unit in units]
+        options = {"mp_policy": self.mp_policy(ctx),
+                   "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if self.cpu_offload
+                   else OffloadPolicy()}
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
+        ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
+        for i, unit in enumerate([model, *units][:-1] if ahead else []):  # forward: the root, then the units
+            unit.set_modules_to_forward_prefetch(units[i:i + ahead])
+        for i, unit in enumerate(units[1:] if ahead else [], start=1):  # backward: in reverse order
+            unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
+        self.core = self.model = model
+        self.eager = _Eager(model) if ctx.compile else model
         return self.model
+
+    def eval_module(self):
+        self.sync_buffers()
+        return self.eager
 
     def sync_context(self, boundary):
         return contextlib.nullcontext() if boundary else _fsdp_no_sync(self.core)
@@ -382,6 +470,26 @@ class FSDP(_Distributed):
         DDP's broadcast_buffers does, so every rank evaluates with the same weights and stats."""
         if dist.is_initialized():
             _broadcast_from_rank0(self.core, parameters=False)
+
+    def save_checkpoint(self, directory, names, optimizer, state, primary):
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(directory, names, optimizer, state, primary)
+        self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
+        model_state, optim_state = get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
+        ckpt.save_sharded({"model": model_state, "optimizer": optim_state}, state, directory, names, primary)
+
+
+class _Eager(nn.Module):
+    """`module` with its compiled blocks run eagerly: evaluation (no grad, eval-mode norms, an odd last
+    batch) would otherwise compile every block again."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        with torch.compiler.set_stance("force_eager"):
+            return self.module(x)
 
 
 @contextlib.contextmanager
@@ -393,26 +501,109 @@ def _fsdp_no_sync(core: nn.Module):
         core.set_requires_gradient_sync(True)
 
 
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _composite(module: nn.Module) -> bool:
+    """A block (layers inside), not a single layer."""
+    return any(_has_params(child) for child in module.children())
+
+
+def _stack(module: nn.Module) -> bool:
+    """A Sequential/ModuleList/ModuleDict of several blocks: resnet's layerN, a transformer's blocks."""
+    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and \
+        sum(map(_composite, module.children())) > 1
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks of the innermost stacks under `module`, and its other composite children; not its single layers."""
+    found = []
+    for child in module.children():
+        if any(_stack(m) for m in child.modules() if m is not child):
+            found += _blocks(child)  # finer blocks inside (torchvision's ViT encoder, convnext's stages)
+        elif _stack(child):
+            found += [block for block in child.children() if _has_params(block)]
+        elif _composite(child):
+            found.append(child)
+    return found
+
+
 def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
-    """The sub-modules FSDP wraps one by one (each becomes one all-gather unit)."""
+    """The model's blocks, in definition order: each is one FSDP unit (one all-gather, one reduce-scatter) and
+    one activation-checkpointing unit; what no block holds (a stem layer, a norm, the classifier) stays in the
+    root. auto: the blocks of its innermost stacks (resnet's bottlenecks, ViT's encoder blocks) and its other
+    composite children; a list of class names: the outermost modules of those classes."""
     if spec in (None, "auto"):
-        targets = [m for m in model.children() if any(True for _ in m.parameters())]
-        # a Sequential of blocks (resnet layers) shards block by block
-        expanded = []
-        for m in targets:
-            expanded.extend(m.children() if isinstance(m, nn.Sequential) and len(m) > 1 else [m])
-        targets = [m for m in expanded if any(True for _ in m.parameters())]
+        targets = _blocks(model)
     else:
         names = set(spec)
-        targets = [m for m in model.modules() if type(m).__name__ in names]
+        targets = _outermost(model, lambda m: type(m).__name__ in names)
         if not targets:
             found = sorted({type(m).__name__ for m in model.modules()})
             raise ConfigError(f"strategy.shard_modules={sorted(names)} matches no module of the model; "
                               f"choose among {found[:15]} or use auto")
-    if not targets:
-        raise ConfigError(f"fsdp cannot shard {type(model).__name__}: it has no sub-module with parameters; "
-                          f"use strategy=ddp")
-    return targets
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    # a block under activation checkpointing is sharded and compiled together with its wrapper
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    return [wrappers.get(id(t), t) for t in targets]
+
+
+def _outermost(module: nn.Module, match) -> list[nn.Module]:
+    found = []
+    for child in module.children():
+        found += [child] if match(child) else _outermost(child, match)
+    return found
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
+    """Put `new` where `old` is in `model` (the same attribute or Sequential slot); return `new`."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return new
+    raise ValueError(f"{type(old).__name__} is not a sub-module of {type(model).__name__}")
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module] | None = None) -> None:
+    """trainer.activation_checkpointing: each block keeps only its input from the forward and recomputes the
+    rest in the backward (activation memory of one block at a time, ~1/3 more compute). `blocks`: by default
+    `shard_targets(model, "auto")`; the trainer passes `strategy.blocks(model)`, FSDP's units. torch's
+    CheckpointWrapper keeps state_dict() names and the checkpoint helpers drop its prefix: a checkpoint saved
+    with activation checkpointing loads without it, and back."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = shard_targets(model, "auto") if blocks is None else blocks
+    if not blocks:
+        raise ConfigError(f"trainer.activation_checkpointing=true finds no block in {type(model).__name__} to "
+                          f"recompute (a child with layers inside); set trainer.activation_checkpointing=false")
+    for block in blocks:
+        _replace(model, block, checkpoint_wrapper(block, checkpoint_fn=_checkpoint))
+
+
+def _checkpoint(module: nn.Module, *args, **kwargs):
+    """torch.utils.checkpoint of `module`, whose recomputation leaves the buffers as the forward left them
+    (BatchNorm would count each batch twice in its running stats). Compiled, the recomputation is part of the
+    backward graph and updates nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    if torch.compiler.is_compiling() or not any(True for _ in module.buffers()):
+        return checkpoint(module, *args, use_reentrant=False, **kwargs)
+    return checkpoint(module, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)), **kwargs)
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module):
+    saved = [b.clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved):
+                buffer.copy_(value)
 
 
 def _broadcast_from_rank0(module: nn.Module, parameters: bool = True) -> None:

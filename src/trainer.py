@@ -25,7 +25,7 @@ from src.optim import build_optimizer
 from src.results import Reporter
 from src.signals import StopRequest
 from src.state import Checkpoints, Progress
-from src.strategies import Context, build_strategy
+from src.strategies import Context, apply_activation_checkpointing, build_strategy
 
 log = logging.getLogger("ddplab")
 
@@ -92,6 +92,8 @@ class Trainer:
         self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
             model = model.to(memory_format=torch.channels_last)
+        if t.activation_checkpointing:  # before wrap: FSDP shards and compiles each checkpointed block whole
+            apply_activation_checkpointing(model, self.strategy.blocks(model))
         self.model = self.strategy.wrap(model, Context(self.device, t.amp, self.amp_dtype,
                                                        self.layout.devices_per_process, t.compile, t.compile_mode))
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
@@ -200,10 +202,10 @@ class Trainer:
     def _save_and_exit(self, stop: StopRequest, epoch: int, step: int, meter: EpochMeter) -> None:
         self.progress.epoch, self.progress.step = epoch, step
         self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
-        self.checkpoints.save(["last.pt"], self.progress)
+        saved = self.checkpoints.save(["last"], self.progress)[0]
         if self.primary:
-            log.warning("signal %s: saved checkpoints/last.pt in %s at epoch %d step %d; resume with: "
-                        "python train.py hydra.run.dir=%s", stop.signum, self.run_dir, epoch + 1, step, self.run_dir)
+            log.warning("signal %s: saved %s in %s at epoch %d step %d; resume with: python train.py hydra.run.dir=%s",
+                        stop.signum, saved.relative_to(self.run_dir), self.run_dir, epoch + 1, step, self.run_dir)
         stop.hand_over()
 
     def fit(self) -> None:

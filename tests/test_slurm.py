@@ -66,7 +66,7 @@ def _assert_one_writer(job_dir: Path, ranks: int, attempts: int = 1) -> None:
     """Only rank 0 wrote artifacts; rank k>0 wrote its train_rank<k>.log and nothing else."""
     logs = [f"train_rank{k}.log" for k in range(1, ranks)]
     assert sorted(p.name for p in job_dir.iterdir()) == sorted(
-        [".hydra", "checkpoints", "metrics.json", "tb", "train.log", *logs])
+        [".hydra", ".lock", "checkpoints", "metrics.json", "tb", "train.log", *logs])  # .lock: rank 0's run-dir lock
     assert sorted(p.name for p in (job_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert len(list((job_dir / "tb").iterdir())) == attempts     # rank 0's writer, one event file per start
     # each rank's Hydra logging went to its own file (the resolvers ran per rank, not from the submitter's cache)
@@ -250,7 +250,7 @@ def _interrupt_and_resume(slurm_env, tmp_path: Path, local_ddp, send_signal) -> 
     assert history == ["REQUEUED", "COMPLETED"], history
     [job_dir] = _job_dirs(sweep)
     log = (job_dir / "train.log").read_text()
-    saved = re.search(rf"signal {int(signal.SIGUSR2)}: saved checkpoints/last.pt at epoch (\d+) step (\d+)", log)
+    saved = re.search(rf"signal {int(signal.SIGUSR2)}: saved checkpoints/last.pt in \S+ at epoch (\d+) step (\d+)", log)
     assert saved and int(saved[1]) >= 2 and int(saved[2]) >= 1, log[-3000:]   # mid-training, mid-epoch
     assert "Requeued job" in log and "resumed from" in log, log[-3000:]
     got, want = read_metrics(job_dir), local_ddp(*LONG)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.checkpoint import find, load_full
 from src.launch import main as launch
 from src.trainer import train
-from tests.conftest import ROOT, read_metrics, run_cli, weights
+from tests.conftest import ROOT, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ SAME_STEPS = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epoch
 
 
 def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
-    wa, wb = weights(a), weights(b)
+    wa, wb = load_full(a)["model"], load_full(b)["model"]  # a .pt file or a sharded (fsdp) directory
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=atol, msg=k)
@@ -45,7 +46,7 @@ def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path
     extra = ["strategy.gradient_sync=after_backward", "trainer.channels_last=true"] if "after" in strategy else []
     strategy = strategy.split("-")[0]
     metrics = launch(cfg_factory(*SAME_STEPS, f"strategy={strategy}", "trainer.devices=2", *extra))
-    assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt")
+    assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", find(tmp_path / "run/checkpoints", "last"))
     m = read_metrics(tmp_path / "run")
     assert m["hparams"]["world_size"] == 2 and m["hparams"]["per_device_batch"] == 32
     assert m["hparams"]["gradient_sync"] == ("after_backward" if extra else "reducer" if strategy == "ddp" else "none")
@@ -98,7 +99,9 @@ def test_exact_eval_with_odd_test_set_equals_single(tmp_path, cfg_factory):
 
 
 def test_checkpoint_from_fsdp_loads_in_single(tmp_path, cfg_factory):
-    launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "trainer.channels_last=true", sub="fsdp"))
+    # the full (one-file) format; tests/test_fsdp.py covers the sharded default
+    launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "trainer.channels_last=true",
+                       "strategy.checkpoint_format=full", sub="fsdp"))
     state = torch.load(tmp_path / "fsdp/run/checkpoints/best.pt", weights_only=False)
     assert not any(k.startswith("module.") for k in state["model"])
     evaluated = train(cfg_factory("train=false", f"ckpt_path={tmp_path}/fsdp/run/checkpoints/best.pt", sub="s"))
