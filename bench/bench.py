@@ -6,6 +6,7 @@ The parent process plans the configurations, runs each one in a fresh
 reads the JSON the child prints as its last stdout line, computes the ratios, prints a table and
 writes everything to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,21 +26,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # name suffix, trainer.amp, trainer.channels_last, torch.compile mode (False: no compile)
-CEILINGS = [("fp32", False, False, False), ("bf16", True, False, False),
-            ("bf16-cl", True, True, False), ("bf16-cl-compile", True, True, "default"),
-            ("bf16-cl-cudagraphs", True, True, "reduce-overhead")]
+CEILINGS = [
+    ("fp32", False, False, False),
+    ("bf16", True, False, False),
+    ("bf16-cl", True, True, False),
+    ("bf16-cl-compile", True, True, "default"),
+    ("bf16-cl-cudagraphs", True, True, "reduce-overhead"),
+]
 # compile mode of the loops: CUDA graphs where the strategy allows them (not DataParallel's threads, not FSDP)
 LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
 # every multi-GPU strategy at 2, 4 and 8 GPUs, up to --gpus
 LOOP_STRATEGIES = [("single", 1)] + [(s, g) for g in (2, 4, 8) for s in ("dp", "ddp", "fsdp")]
 WIDTH = 36  # the run column: resnet50-ceiling-bf16-cl-cudagraphs
-SMOKE = {"model": "tiny_cnn", "batch": 64, "samples": 1024, "epochs": 2, "workers": "0",
-         "ceilings": CEILINGS[:1], "strategies": [("single", 1), ("ddp", 2)], "windows": (2, 3, 5)}
-GPU = {"model": "resnet18", "batch": 512, "samples": 50000, "epochs": 3, "workers": "8",
-       "ceilings": CEILINGS, "strategies": LOOP_STRATEGIES, "windows": (15, 7, 25)}  # warm-up, windows, steps
+SMOKE = {
+    "model": "tiny_cnn",
+    "batch": 64,
+    "samples": 1024,
+    "epochs": 2,
+    "workers": "0",
+    "ceilings": CEILINGS[:1],
+    "strategies": [("single", 1), ("ddp", 2)],
+    "windows": (2, 3, 5),
+}
+GPU = {
+    "model": "resnet18",
+    "batch": 512,
+    "samples": 50000,
+    "epochs": 3,
+    "workers": "8",
+    "ceilings": CEILINGS,
+    "strategies": LOOP_STRATEGIES,
+    "windows": (15, 7, 25),
+}  # warm-up, windows, steps
 
 
 # --- the parent: plan, run, compare ---------------------------------------------------------------
+
 
 def model_of(args, mode) -> tuple[str, list[str], str, dict]:
     """(name, loop overrides, model YAML, its options) of --model: conf/model/<name>.yaml where there is one,
@@ -57,8 +79,9 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     --workers count) or by the workers (`classic<N>`); shard tags start with `shards-`."""
     workers = [int(w) for w in args.workers.split(",")]
     if not args.decode:
-        return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + \
-            [(f"classic{w}", ["data.loader=classic", f"data.num_workers={w}"]) for w in workers]
+        return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + [
+            (f"classic{w}", ["data.loader=classic", f"data.num_workers={w}"]) for w in workers
+        ]
     common = ["data.augment=random_resized_crop", *([f"data.image_size={args.image_size}"] if args.image_size else [])]
     sources = [("", ["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"])] if args.data_root else []
     if args.shards:
@@ -80,11 +103,28 @@ def plan(args) -> list[dict]:
     warmup, windows, steps = mode["windows"]
     model, model_overrides, model_yaml, model_options = model_of(args, mode)
     prefix = f"{args.model}-" if args.model else ""  # names say the model when it is not the default
-    configs = [{"name": f"{prefix}ceiling-{tag}", "kind": "ceiling", "model": model, "model_yaml": model_yaml,
-                "model_options": model_options, "image_size": args.image_size or 32, "device": device,
-                "batch": args.batch, "amp": amp, "channels_last": cl, "compile": bool(comp), "compile_mode": comp,
-                "precision": "bf16" if amp else "fp32", "gpus": 1, "warmup": warmup, "windows": windows,
-                "steps": steps} for tag, amp, cl, comp in mode["ceilings"]]
+    configs = [
+        {
+            "name": f"{prefix}ceiling-{tag}",
+            "kind": "ceiling",
+            "model": model,
+            "model_yaml": model_yaml,
+            "model_options": model_options,
+            "image_size": args.image_size or 32,
+            "device": device,
+            "batch": args.batch,
+            "amp": amp,
+            "channels_last": cl,
+            "compile": bool(comp),
+            "compile_mode": comp,
+            "precision": "bf16" if amp else "fp32",
+            "gpus": 1,
+            "warmup": warmup,
+            "windows": windows,
+            "steps": steps,
+        }
+        for tag, amp, cl, comp in mode["ceilings"]
+    ]
     amp = not args.smoke
     precision = "bf16" if amp else "fp32"
     if args.decode:
@@ -95,11 +135,23 @@ def plan(args) -> list[dict]:
         data = ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]", "data.augment=crop_flip"]
     loaders = loaders_of(args)
     if args.decode:  # the loader alone, as one GPU's rank runs it: read, decode, augment, no model
-        configs += [{"name": f"loader-{tag}", "kind": "loader", "model": model, "gpus": 1, "loader": tag,
-                     "precision": precision, "device": device, "batch": args.batch, "warmup": 10,
-                     "steps": args.loader_steps, "channels_last": amp,
-                     "overrides": [*loader_data, f"trainer.device={device}", *(args.override or [])]}
-                    for tag, loader_data in loaders]
+        configs += [
+            {
+                "name": f"loader-{tag}",
+                "kind": "loader",
+                "model": model,
+                "gpus": 1,
+                "loader": tag,
+                "precision": precision,
+                "device": device,
+                "batch": args.batch,
+                "warmup": 10,
+                "steps": args.loader_steps,
+                "channels_last": amp,
+                "overrides": [*loader_data, f"trainer.device={device}", *(args.override or [])],
+            }
+            for tag, loader_data in loaders
+        ]
     compiles = [False] if args.smoke else {"on": [True], "off": [False], "both": [True, False]}[args.compile]
     for compile_ in compiles:
         for strategy, gpus in mode["strategies"]:
@@ -107,28 +159,54 @@ def plan(args) -> list[dict]:
                 continue
             for tag, loader_data in loaders:
                 name = f"{prefix}{strategy}{gpus}-{tag}" + ("" if compile_ or args.smoke else "-eager")
-                overrides = [*model_overrides, *data, *loader_data, f"strategy={strategy}", f"trainer.devices={gpus}",
-                             f"trainer.device={device}", f"data.batch_size={args.batch * gpus}",
-                             f"trainer.max_epochs={args.epochs}", f"trainer.amp={str(amp).lower()}",
-                             "trainer.amp_dtype=bf16", f"trainer.channels_last={str(amp).lower()}",
-                             f"trainer.compile={str(compile_).lower()}", "trainer.progress_bar=false",
-                             f"trainer.compile_mode={LOOP_COMPILE_MODE[strategy]}"]
+                overrides = [
+                    *model_overrides,
+                    *data,
+                    *loader_data,
+                    f"strategy={strategy}",
+                    f"trainer.devices={gpus}",
+                    f"trainer.device={device}",
+                    f"data.batch_size={args.batch * gpus}",
+                    f"trainer.max_epochs={args.epochs}",
+                    f"trainer.amp={str(amp).lower()}",
+                    "trainer.amp_dtype=bf16",
+                    f"trainer.channels_last={str(amp).lower()}",
+                    f"trainer.compile={str(compile_).lower()}",
+                    "trainer.progress_bar=false",
+                    f"trainer.compile_mode={LOOP_COMPILE_MODE[strategy]}",
+                ]
                 if args.steps:
                     overrides.append(f"trainer.limit_train_batches={args.steps}")
                 overrides += args.override or []
-                configs.append({"name": name, "kind": "loop", "model": model, "strategy": strategy, "gpus": gpus,
-                                "loader": tag, "compile": compile_, "precision": precision,
-                                "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
-                                "overrides": overrides})
+                configs.append(
+                    {
+                        "name": name,
+                        "kind": "loop",
+                        "model": model,
+                        "strategy": strategy,
+                        "gpus": gpus,
+                        "loader": tag,
+                        "compile": compile_,
+                        "precision": precision,
+                        "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
+                        "overrides": overrides,
+                    }
+                )
     return configs
 
 
 def run_child(config: dict, timeout: float) -> dict:
     """One configuration in a fresh interpreter (its own session, so a timeout ends its ranks too)."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -156,30 +234,56 @@ def ratios(runs: dict) -> list[dict]:
     for name, r in ok.items():
         if r["kind"] not in ("loop", "loader"):
             continue
-        same = [c for c in ok.values() if c["kind"] == "ceiling" and c["precision"] == r["precision"]
-                and c.get("model") == r.get("model", c.get("model"))]  # (older files: loops name no model)
+        same = [
+            c
+            for c in ok.values()
+            if c["kind"] == "ceiling"
+            and c["precision"] == r["precision"]
+            and c.get("model") == r.get("model", c.get("model"))
+        ]  # (older files: loops name no model)
         if same:
             best = max(same, key=lambda c: c["images_per_sec"])
-            out.append({"kind": "vs_ceiling", "run": name, "reference": best["name"], "gpus": r["gpus"],
-                        "value": r["images_per_sec"] / (best["images_per_sec"] * r["gpus"])})
+            out.append(
+                {
+                    "kind": "vs_ceiling",
+                    "run": name,
+                    "reference": best["name"],
+                    "gpus": r["gpus"],
+                    "value": r["images_per_sec"] / (best["images_per_sec"] * r["gpus"]),
+                }
+            )
         if r["kind"] == "loader":
             continue
-        single = [s for s in ok.values() if s["kind"] == "loop" and s["strategy"] == "single" and
-                  (s["loader"], s["compile"], s["precision"], s.get("model")) ==
-                  (r["loader"], r["compile"], r["precision"], r.get("model"))]
+        single = [
+            s
+            for s in ok.values()
+            if s["kind"] == "loop"
+            and s["strategy"] == "single"
+            and (s["loader"], s["compile"], s["precision"], s.get("model"))
+            == (r["loader"], r["compile"], r["precision"], r.get("model"))
+        ]
         if r["gpus"] > 1 and single:
-            out.append({"kind": "vs_single", "run": name, "reference": single[0]["name"], "gpus": r["gpus"],
-                        "value": r["images_per_sec"] / single[0]["images_per_sec"]})
+            out.append(
+                {
+                    "kind": "vs_single",
+                    "run": name,
+                    "reference": single[0]["name"],
+                    "gpus": r["gpus"],
+                    "value": r["images_per_sec"] / single[0]["images_per_sec"],
+                }
+            )
     return out
 
 
 def table(report: dict) -> str:
     runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
     gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
-    lines = [f"ddplab bench | {gpus} | torch {report['torch_version']} | "
-             f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
-             f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
-             f"{'wall s':>8}"]
+    lines = [
+        f"ddplab bench | {gpus} | torch {report['torch_version']} | "
+        f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
+        f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
+        f"{'wall s':>8}",
+    ]
     for name, r in runs.items():
         if not r["ok"]:
             lines.append(f"{name:<{WIDTH}}  FAILED: {r['error'].strip().splitlines()[-1][:90] if r['error'] else '?'}")
@@ -188,27 +292,49 @@ def table(report: dict) -> str:
         wait = f"{100 * r['data_wait_fraction']:.0f}%" if "data_wait_fraction" in r else ""
         first = f"{r['epoch_sec'][0]:.1f}" if r.get("epoch_sec") else ""
         ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
-        lines.append(f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
-                     f"{r['wall_sec']:>8.0f}")
-    refs = sorted({(x["reference"], runs[x["reference"]]["images_per_sec"]) for x in report["ratios"]
-                   if x["kind"] == "vs_ceiling"})
-    lines.append("vs ceiling = loop img/s / (GPUs x best ceiling of its precision: "
-                 + (", ".join(f"{n} {v:.0f} img/s" for n, v in refs) or "none ran; --merge with one") + ")")
-    lines.append("vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision "
-                 "(scaling efficiency = vs 1 GPU / N)")
+        lines.append(
+            f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
+            f"{r['wall_sec']:>8.0f}"
+        )
+    refs = sorted(
+        {
+            (x["reference"], runs[x["reference"]]["images_per_sec"])
+            for x in report["ratios"]
+            if x["kind"] == "vs_ceiling"
+        }
+    )
+    lines.append(
+        "vs ceiling = loop img/s / (GPUs x best ceiling of its precision: "
+        + (", ".join(f"{n} {v:.0f} img/s" for n, v in refs) or "none ran; --merge with one")
+        + ")"
+    )
+    lines.append(
+        "vs 1 GPU = N-GPU loop img/s / single1 loop img/s with the same loader, compile and precision "
+        "(scaling efficiency = vs 1 GPU / N)"
+    )
     if any(r["kind"] == "loader" for r in runs.values()):
-        lines.append("loader-* = one GPU's loader alone (read, decode, augment; no model); its vs ceiling > 1: "
-                     "it can feed that GPU")
+        lines.append(
+            "loader-* = one GPU's loader alone (read, decode, augment; no model); its vs ceiling > 1: "
+            "it can feed that GPU"
+        )
     return "\n".join(lines)
 
 
 def summarize(args, runs: dict, extra: dict | None = None) -> dict:
     first = next((r for r in runs.values() if r["ok"]), {})
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": [sys.executable, *sys.argv],
-            "gpu_name": first.get("device_name", "?"), "gpu_count": first.get("gpu_count", 0),
-            "torch_version": first.get("torch_version", "?"), "smoke": args.smoke,
-            "data": data_label(args),
-            "batch_per_gpu": args.batch, **(extra or {}), "runs": runs, "ratios": ratios(runs)}
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": [sys.executable, *sys.argv],
+        "gpu_name": first.get("device_name", "?"),
+        "gpu_count": first.get("gpu_count", 0),
+        "torch_version": first.get("torch_version", "?"),
+        "smoke": args.smoke,
+        "data": data_label(args),
+        "batch_per_gpu": args.batch,
+        **(extra or {}),
+        "runs": runs,
+        "ratios": ratios(runs),
+    }
 
 
 def data_label(args) -> str:
@@ -226,14 +352,18 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
         report = json.loads(Path(path).read_text())
         sources.append({"file": str(path), "command": report["command"], "date": report["date"]})
         if header and (report["gpu_name"], report["gpu_count"]) != (header["gpu_name"], header["gpu_count"]):
-            print(f"warning: {path} ran on {report['gpu_name']} x{report['gpu_count']}, "
-                  f"not {header['gpu_name']} x{header['gpu_count']}", file=sys.stderr)
+            print(
+                f"warning: {path} ran on {report['gpu_name']} x{report['gpu_count']}, "
+                f"not {header['gpu_name']} x{header['gpu_count']}",
+                file=sys.stderr,
+            )
         header = header or report
         runs.update(report["runs"])
     return runs, {"merged_from": sources, **{k: header[k] for k in ("data", "batch_per_gpu", "smoke")}}
 
 
 # --- the children: one configuration each ---------------------------------------------------------
+
 
 def child_ceiling(spec: dict) -> dict:
     """Train steps on one fixed random batch already on the device: forward, the loop's objective
@@ -289,14 +419,20 @@ def child_ceiling(spec: dict) -> dict:
             for _ in range(spec["steps"]):
                 step()
             seconds.append(time.perf_counter() - t0)
-    return {"images_per_sec": spec["batch"] * spec["steps"] / statistics.median(seconds), "window_sec": seconds,
-            "warmup_sec": warmup_sec, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "gpu_count": torch.cuda.device_count(), "torch_version": torch.__version__}
+    return {
+        "images_per_sec": spec["batch"] * spec["steps"] / statistics.median(seconds),
+        "window_sec": seconds,
+        "warmup_sec": warmup_sec,
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count(),
+        "torch_version": torch.__version__,
+    }
 
 
 def compose(overrides: list[str], output_dir: str):
     """The real config, composed as tests/conftest.py does, writing into output_dir."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import open_dict
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -323,11 +459,18 @@ def child_loop(spec: dict) -> dict:
         final = main(cfg)
         metrics = json.loads((Path(out) / "metrics.json").read_text())
     epochs = metrics["epochs"]
-    return {"images_per_sec": final["images_per_sec"], "sec_per_epoch": final["sec_per_epoch"],
-            "data_wait_fraction": final["data_wait_fraction"], "steps_per_epoch": cfg.trainer.limit_train_batches,
-            "epoch_sec": [e["epoch_sec"] for e in epochs], "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
-            "device_name": metrics["device_name"], "gpu_count": torch.cuda.device_count(),
-            "torch_version": metrics["torch_version"], "hparams": metrics["hparams"]}
+    return {
+        "images_per_sec": final["images_per_sec"],
+        "sec_per_epoch": final["sec_per_epoch"],
+        "data_wait_fraction": final["data_wait_fraction"],
+        "steps_per_epoch": cfg.trainer.limit_train_batches,
+        "epoch_sec": [e["epoch_sec"] for e in epochs],
+        "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
+        "device_name": metrics["device_name"],
+        "gpu_count": torch.cuda.device_count(),
+        "torch_version": metrics["torch_version"],
+        "hparams": metrics["hparams"],
+    }
 
 
 def child_loader(spec: dict) -> dict:
@@ -345,7 +488,7 @@ def child_loader(spec: dict) -> dict:
     data = load_data(cfg.data)
     loader = build_loader(data, cfg.data, device, spec["channels_last"], seed=0)
     steps = plan_epoch(len(data.train), spec["batch"], 1, 0, 1, seed=0, epoch=0, drop_last=True)
-    steps = steps[:spec["warmup"] + spec["steps"]]
+    steps = steps[: spec["warmup"] + spec["steps"]]
     if len(steps) <= spec["warmup"]:
         raise SystemExit(f"{len(data.train)} training images give {len(steps)} batches; lower --loader-steps")
     timed = 0
@@ -359,12 +502,20 @@ def child_loader(spec: dict) -> dict:
         seconds = time.perf_counter() - t0
     finally:
         loader.close()
-    return {"images_per_sec": timed / seconds, "seconds": seconds, "images": timed, "workers": cfg.data.num_workers,
-            "loader_name": loader.name, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-            else "cpu", "gpu_count": torch.cuda.device_count(), "torch_version": torch.__version__}
+    return {
+        "images_per_sec": timed / seconds,
+        "seconds": seconds,
+        "images": timed,
+        "workers": cfg.data.num_workers,
+        "loader_name": loader.name,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "gpu_count": torch.cuda.device_count(),
+        "torch_version": torch.__version__,
+    }
 
 
 # --- command line ---------------------------------------------------------------------------------
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -380,14 +531,25 @@ def main() -> int:
     p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")
     p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
     p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
-    p.add_argument("--override", action="append", metavar="KEY=VALUE",
-                   help="a config override for every loop run (repeatable), e.g. strategy.gradient_sync=reducer")
-    p.add_argument("--model", help="model of the ceilings and loops: conf/model/<NAME>.yaml or a torchvision "
-                   "classifier, e.g. resnet50 (names then start with it; default resnet18, smoke tiny_cnn)")
-    p.add_argument("--image-size", type=int, help="the ceiling's input size (default 32) and, with --decode, "
-                   "data.image_size")
-    p.add_argument("--decode", help="compare images read from disk instead: gpu and/or cpu decoding, e.g. gpu,cpu "
-                   "(with --data-root and/or --shards; adds loader-* runs: the loader alone)")
+    p.add_argument(
+        "--override",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a config override for every loop run (repeatable), e.g. strategy.gradient_sync=reducer",
+    )
+    p.add_argument(
+        "--model",
+        help="model of the ceilings and loops: conf/model/<NAME>.yaml or a torchvision "
+        "classifier, e.g. resnet50 (names then start with it; default resnet18, smoke tiny_cnn)",
+    )
+    p.add_argument(
+        "--image-size", type=int, help="the ceiling's input size (default 32) and, with --decode, data.image_size"
+    )
+    p.add_argument(
+        "--decode",
+        help="compare images read from disk instead: gpu and/or cpu decoding, e.g. gpu,cpu "
+        "(with --data-root and/or --shards; adds loader-* runs: the loader alone)",
+    )
     p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
@@ -430,8 +592,12 @@ def main() -> int:
         runs = {}
         for i, config in enumerate(configs, 1):
             r = runs[config["name"]] = run_child(config, args.timeout)
-            print(f"[{i}/{len(configs)}] {config['name']:<{WIDTH}} " + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"]
-                  else "FAILED") + f"  ({r['wall_sec']:.0f} s)", flush=True)
+            print(
+                f"[{i}/{len(configs)}] {config['name']:<{WIDTH}} "
+                + (f"{r['images_per_sec']:>9.0f} img/s" if r["ok"] else "FAILED")
+                + f"  ({r['wall_sec']:.0f} s)",
+                flush=True,
+            )
             report = summarize(args, runs)
             write(report)  # after every run: a killed call keeps its results
     print(table(report))

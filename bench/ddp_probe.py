@@ -11,6 +11,7 @@ warms up (compilation, cuDNN tuning), then times windows of steps with CUDA even
 rank's window counts. Also times a plain NCCL all-reduce of ResNet-18's gradient size.
 Prints one JSON line per mode from rank 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,14 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "cudagraphs-wrapper-split-b40": ("reduce-overhead", "wrapper", None, 40, True, {"broadcast_buffers": False}),
     # compiled autograd traces DDP's (python) reducer into the backward graph, where Inductor may reorder the
     # all-reduces to overlap the backward (measured slower: resnet18_2xh200_2026-11-26.md, tried and rejected)
-    "cudagraphs-compiled-autograd": ("reduce-overhead", "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
+    "cudagraphs-compiled-autograd": (
+        "reduce-overhead",
+        "wrapper",
+        None,
+        25,
+        "python_reducer",
+        {"broadcast_buffers": False},
+    ),
     "compiled-autograd": (True, "wrapper", None, 25, "python_reducer", {"broadcast_buffers": False}),
     "cudagraphs-after-backward": ("reduce-overhead", "after_backward", None, 0, True),
     "cudagraphs-after-backward-bf16": ("reduce-overhead", "after_backward", "bf16", 0, True),
@@ -68,8 +76,9 @@ def build(mode: str, device: torch.device, world: int):
     torch._inductor.config.reorder_for_compute_comm_overlap = optimize_ddp == "python_reducer"
     torch.manual_seed(0)
     model = cifar_resnet18(10).to(device).to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                          fused=device.type == "cuda")
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=device.type == "cuda"
+    )
     compiled = (lambda m: torch.compile(m, mode=None if compile_ is True else compile_)) if compile_ else None
     if world == 1:
         return (compiled(model) if compile_ else model), opt, None
@@ -78,16 +87,23 @@ def build(mode: str, device: torch.device, world: int):
     if scope == "after_backward_cat":  # the simpler packing, for comparison: a fresh torch.cat every step
         return compiled(model), opt, cat_gradient_sync(list(model.parameters()))
     inner = compiled(model) if compile_ and scope == "module" else model
-    ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket,
-              gradient_as_bucket_view=True, **(ddp_options[0] if ddp_options else {}))
+    ddp = DDP(
+        inner,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket,
+        gradient_as_bucket_view=True,
+        **(ddp_options[0] if ddp_options else {}),
+    )
     if hook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
         ddp.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
     return (compiled(ddp) if compile_ and scope == "wrapper" else ddp), opt, None
 
 
 def cat_gradient_sync(params):
-    """after_backward packed by torch.cat into a new buffer each step (what the persistent buffer is measured against)."""
+    """after_backward packed by torch.cat into a new buffer each step (the persistent buffer's baseline)."""
+
     def sync():
         grads = [p.grad for p in params]
         flat = torch.cat([g.as_strided((g.numel(),), (1,)) for g in grads])  # dense gradients only
@@ -96,6 +112,7 @@ def cat_gradient_sync(params):
         for p, g in zip(params, grads):
             p.grad = flat.as_strided(g.shape, g.stride(), offset)
             offset += g.numel()
+
     return sync
 
 
@@ -117,6 +134,7 @@ def make_step(model, opt, sync, objective, x, y):
         opt.step()
         opt.zero_grad(set_to_none=True)
         mark()
+
     return step
 
 
@@ -135,8 +153,9 @@ def trace_tail(step, steps: int = 3, last: int = 45) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                    key=lambda e: e["ts"])[-last:]
+    device = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )[-last:]
     t0 = device[0]["ts"]
     return [f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} s{e['args'].get('stream', '?')} {e['name'][:70]}" for e in device]
 
@@ -170,7 +189,7 @@ def segment_times(step, steps: int) -> dict:
     for _ in range(steps):
         events, clock = [], []
 
-        def mark():
+        def mark(events=events, clock=clock):
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
             clock.append(time.perf_counter())
@@ -214,7 +233,9 @@ def main():
     parser.add_argument("--tag", default="", help="a label for this process group's lines")
     parser.add_argument("--segments", action="store_true", help="also time each part of the step, device and host")
     parser.add_argument("--trace", action="store_true", help="also print each rank's device timeline of a step's end")
-    parser.add_argument("--cpu", action="store_true", help="gloo on CPU: check that the modes run (timings mean nothing)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="gloo on CPU: check that the modes run (timings mean nothing)"
+    )
     args = parser.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if args.cpu:
@@ -229,8 +250,12 @@ def main():
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(args.batch, 3, 32, 32, device=device, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=device, generator=g)
-    info = {"tag": args.tag, "gpus": world, "gpu": torch.cuda.get_device_name(device) if not args.cpu else "cpu",
-            "torch": torch.__version__}
+    info = {
+        "tag": args.tag,
+        "gpus": world,
+        "gpu": torch.cuda.get_device_name(device) if not args.cpu else "cpu",
+        "torch": torch.__version__,
+    }
     if world > 1 and not args.cpu:
         params = sum(p.numel() for p in cifar_resnet18(10).parameters())
         for dtype in (torch.float32, torch.bfloat16):
@@ -238,7 +263,9 @@ def main():
             if rank == 0:
                 print(json.dumps({**info, "mode": f"allreduce-{str(dtype)[6:]}", **r}), flush=True)
     for mode in filter(None, args.modes.split(",")):  # --modes "": the all-reduce timings alone
-        if world == 1 and (MODES[mode][1] in ("wrapper", "after_backward", "after_backward_cat") or MODES[mode][2] or MODES[mode][5:]):
+        if world == 1 and (
+            MODES[mode][1] in ("wrapper", "after_backward", "after_backward_cat") or MODES[mode][2] or MODES[mode][5:]
+        ):
             continue  # DDP-only variants
         model, opt, sync = build(mode, device, world)
         compile_ = MODES[mode][0]
@@ -246,8 +273,14 @@ def main():
         step = make_step(model, opt, sync, objective, x, y)
         sec = time_steps(step, x, args.warmup, args.windows, args.steps)
         parts = segment_times(step, args.steps) if args.segments and x.is_cuda else {}
-        line = {**info, "mode": mode, "images_per_sec": round(args.batch * world * args.steps / sec),
-                "step_ms": round(sec / args.steps * 1000, 2), "rank": rank, **parts}
+        line = {
+            **info,
+            "mode": mode,
+            "images_per_sec": round(args.batch * world * args.steps / sec),
+            "step_ms": round(sec / args.steps * 1000, 2),
+            "rank": rank,
+            **parts,
+        }
         tail = trace_tail(step) if args.trace and x.is_cuda else []
         for r in range(world) if parts or tail else [0]:  # every rank's lines: is one rank slower?
             if rank == r:

@@ -11,6 +11,7 @@ does. Image k of a split is CIFAR image k modulo the split's size, so --train ma
 works at once (multiprocessing); `<out>/.complete.json` marks a finished folder, and a second call with the
 same arguments returns at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the sizes and the noise (default 0)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: every core)")
     args = p.parse_args(argv)
-    settings = {"zip": Path(args.zip).name, "train": args.train, "test": args.test, "quality": args.quality,
-                "seed": args.seed, "version": 1}
+    settings = {
+        "zip": Path(args.zip).name,
+        "train": args.train,
+        "test": args.test,
+        "quality": args.quality,
+        "seed": args.seed,
+        "version": 1,
+    }
     marker = args.out / ".complete.json"
     if marker.exists() and json.loads(marker.read_text()).get("settings") == settings:
         print(f"{args.out} is complete already ({marker})")
@@ -101,11 +108,19 @@ def main(argv=None) -> int:
     with Pool(args.workers, initializer=_open, initargs=(args.zip,)) as pool:
         sizes = list(pool.imap_unordered(make_one, jobs, chunksize=64))
     seconds = time.perf_counter() - start
-    summary = {"settings": settings, "images": len(sizes), "mean_kib": round(sum(sizes) / len(sizes) / 1024, 1),
-               "total_gib": round(sum(sizes) / 2**30, 2), "seconds": round(seconds, 1), "workers": args.workers}
+    summary = {
+        "settings": settings,
+        "images": len(sizes),
+        "mean_kib": round(sum(sizes) / len(sizes) / 1024, 1),
+        "total_gib": round(sum(sizes) / 2**30, 2),
+        "seconds": round(seconds, 1),
+        "workers": args.workers,
+    }
     marker.write_text(json.dumps(summary, indent=1))
-    print(f"wrote {args.out}: {summary['images']} images, {summary['mean_kib']} KiB each on average, "
-          f"{summary['total_gib']} GiB, in {seconds:.0f} s with {args.workers} processes")
+    print(
+        f"wrote {args.out}: {summary['images']} images, {summary['mean_kib']} KiB each on average, "
+        f"{summary['total_gib']} GiB, in {seconds:.0f} s with {args.workers} processes"
+    )
     return 0
 
 

@@ -8,6 +8,7 @@ Builds the run as train() does, trains epoch 1 untimed (compilation, cuDNN tunin
 epoch 2 under torch.profiler and prints: the epoch's wall time, the GPU's busy time (sum of kernel
 times), and the operators with the most GPU and CPU time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,11 @@ def main():
     if run.primary:
         events = prof.key_averages()
         kernels = sum(e.self_device_time_total for e in events) / 1e6
-        print(f"epoch 1: {first['images_per_sec']:.0f} img/s | epoch 2 (profiled): {second['images_per_sec']:.0f} img/s,"
-              f" {wall:.3f} s wall, GPU kernels {kernels:.3f} s = {100 * kernels / wall:.1f}% busy,"
-              f" {run.steps_per_epoch} steps, data wait {100 * second['data_wait_fraction']:.1f}%")
+        print(
+            f"epoch 1: {first['images_per_sec']:.0f} img/s | epoch 2 (profiled): {second['images_per_sec']:.0f} img/s,"
+            f" {wall:.3f} s wall, GPU kernels {kernels:.3f} s = {100 * kernels / wall:.1f}% busy,"
+            f" {run.steps_per_epoch} steps, data wait {100 * second['data_wait_fraction']:.1f}%"
+        )
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
         if args.trace:

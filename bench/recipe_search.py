@@ -9,6 +9,7 @@ Each recipe is `name: overrides` on top of `experiment=cifar10_94` and runs as
 other down, so only the accuracies are comparable here; time a chosen recipe alone.
 Prints and writes (<out>/summary.json) each recipe's final and best test top-1 and its curve.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ def main():
     parser.add_argument("--gpus", type=int, default=None, help="default: all visible")
     parser.add_argument("--per-gpu", type=int, default=4, help="concurrent runs per GPU")
     parser.add_argument("--base", default="experiment=cifar10_94")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds; then stop the runs still going (their logs stay) and write the summary")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds; then stop the runs still going (their logs stay) and write the summary",
+    )
     args = parser.parse_args()
     import torch
 
@@ -45,8 +50,14 @@ def main():
         while queue and slots:
             gpu = slots.pop(0)
             name, overrides = queue.pop(0)
-            cmd = [sys.executable, str(ROOT / "train.py"), args.base, *overrides, "trainer.progress_bar=false",
-                   f"hydra.run.dir={out / name}"]
+            cmd = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                args.base,
+                *overrides,
+                "trainer.progress_bar=false",
+                f"hydra.run.dir={out / name}",
+            ]
             log = open(out / f"{name}.log", "w")
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
             running.append((name, gpu, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
@@ -71,17 +82,30 @@ def main():
             continue
         m = json.loads(metrics.read_text())
         curve = [(e["epoch"], round(e["train_sec_total"], 2), e.get("test_top1")) for e in m["epochs"]]
-        summary.append({"name": name, "overrides": r.split(":", 1)[1].strip(), "ok": m.get("status") == "completed",
-                        "final_top1": m.get("final", {}).get("test_top1"), "best_top1": max((c[2] or 0) for c in curve),
-                        "epochs": len(curve), "curve": curve})
+        summary.append(
+            {
+                "name": name,
+                "overrides": r.split(":", 1)[1].strip(),
+                "ok": m.get("status") == "completed",
+                "final_top1": m.get("final", {}).get("test_top1"),
+                "best_top1": max((c[2] or 0) for c in curve),
+                "epochs": len(curve),
+                "curve": curve,
+            }
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for s in summary:
         if "curve" in s:
             final = "stopped" if not s["ok"] else f"{s['final_top1']:6.2f}"
-            print(f"{s['name']:<28} final {final:>7}  best {s['best_top1']:6.2f}  "
-                  f"epochs {s['epochs']:3d}  | {s['overrides']}")
+            print(
+                f"{s['name']:<28} final {final:>7}  best {s['best_top1']:6.2f}  "
+                f"epochs {s['epochs']:3d}  | {s['overrides']}"
+            )
         else:
-            print(f"{s['name']:<28} no metrics.json: stopped by --time-limit or failed (see {out / s['name']}.log) | {s['overrides']}")
+            print(
+                f"{s['name']:<28} no metrics.json: stopped by --time-limit or failed "
+                f"(see {out / s['name']}.log) | {s['overrides']}"
+            )
 
 
 if __name__ == "__main__":

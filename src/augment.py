@@ -6,6 +6,7 @@ strategy, world size, loader or device: single, dp, ddp and fsdp see identical b
 Images read from disk (each of its own size) get random resized crops whose choices come from
 (seed, epoch, sample id) alone (`sample_uniforms`), computed for just the batch at hand.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,9 @@ def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + stream)
 
 
-def draw_params(n: int, seed: int, epoch: int, pad: int = CROP_PAD,
-                cutout_within: tuple[int, int] | None = None) -> torch.Tensor:
+def draw_params(
+    n: int, seed: int, epoch: int, pad: int = CROP_PAD, cutout_within: tuple[int, int] | None = None
+) -> torch.Tensor:
     """int64 N x 3: crop offset y, crop offset x, flip (0/1) for every sample of the epoch;
     N x 5 with `cutout_within=(H, W)`: then also the cutout centre y, x (own stream: crop/flip unchanged)."""
     g = epoch_generator(seed, epoch, stream=1)
@@ -33,8 +35,10 @@ def draw_params(n: int, seed: int, epoch: int, pad: int = CROP_PAD,
     parts = [offsets, flips]
     if cutout_within:
         g = epoch_generator(seed, epoch, stream=2)
-        parts += [torch.randint(0, cutout_within[0], (n, 1), generator=g),
-                  torch.randint(0, cutout_within[1], (n, 1), generator=g)]
+        parts += [
+            torch.randint(0, cutout_within[0], (n, 1), generator=g),
+            torch.randint(0, cutout_within[1], (n, 1), generator=g),
+        ]
     return torch.cat(parts, dim=1)
 
 
@@ -48,13 +52,13 @@ def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD, p
     """Random crop of the image padded by `pad` pixels (pad_mode zeros or reflect) and horizontal flip,
     batched: B x C x H x W -> same shape."""
     b, c, h, w = images.shape
-    rows = params[:, 0:1] + torch.arange(h, device=images.device)           # B x H, in padded coordinates
-    cols = params[:, 1:2] + torch.arange(w, device=images.device)           # B x W
+    rows = params[:, 0:1] + torch.arange(h, device=images.device)  # B x H, in padded coordinates
+    cols = params[:, 1:2] + torch.arange(w, device=images.device)  # B x W
     if pad_mode == "reflect":  # read the unpadded image at mirrored indices
         source, rows, cols = images, _reflect(rows - pad, h), _reflect(cols - pad, w)
     else:
         source = F.pad(images, (pad, pad, pad, pad))
-    cols = torch.where(params[:, 2:3].bool(), cols.flip(1), cols)            # flipping = reversed columns
+    cols = torch.where(params[:, 2:3].bool(), cols.flip(1), cols)  # flipping = reversed columns
     batch = torch.arange(b, device=images.device)[:, None, None]
     out = source.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # B x H x W x C
     return out.permute(0, 3, 1, 2)
@@ -67,8 +71,8 @@ def cutout(x: torch.Tensor, centres: torch.Tensor, size: int) -> torch.Tensor:
     top, left = centres[:, 0:1] - size // 2, centres[:, 1:2] - size // 2
     rows = torch.arange(h, device=x.device)
     cols = torch.arange(w, device=x.device)
-    in_rows = (rows >= top) & (rows < top + size)                             # B x H
-    in_cols = (cols >= left) & (cols < left + size)                           # B x W
+    in_rows = (rows >= top) & (rows < top + size)  # B x H
+    in_cols = (cols >= left) & (cols < left + size)  # B x W
     return x.masked_fill_((in_rows[:, :, None] & in_cols[:, None, :])[:, None], 0.0)
 
 
@@ -167,8 +171,13 @@ def _resize(image: torch.Tensor, size) -> torch.Tensor:
 
 def _batch(images: list[torch.Tensor], size) -> torch.Tensor:
     device = images[0].device
-    return torch.empty(len(images), images[0].shape[0], *size, device=device,
-                       dtype=torch.uint8 if device.type == "cpu" else torch.float32)
+    return torch.empty(
+        len(images),
+        images[0].shape[0],
+        *size,
+        device=device,
+        dtype=torch.uint8 if device.type == "cpu" else torch.float32,
+    )
 
 
 def _to_uint8(x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +189,7 @@ def resized_crops(images: list[torch.Tensor], boxes: np.ndarray, flips: np.ndarr
     flips[k]. One resize per image (their sizes differ); the rest is batched."""
     out = _batch(images, size)
     for k, (image, (top, left, h, w)) in enumerate(zip(images, boxes.tolist())):
-        out[k] = _resize(image[:, top:top + h, left:left + w], size)
+        out[k] = _resize(image[:, top : top + h, left : left + w], size)
     out = _to_uint8(out)
     if flips.any():
         out = torch.where(torch.as_tensor(flips, device=out.device).view(-1, 1, 1, 1), out.flip(-1), out)
@@ -201,7 +210,7 @@ def resize_center_crops(images: list[torch.Tensor], short: int, size) -> torch.T
     out = _batch(images, size)
     for k, image in enumerate(images):
         resized, (top, left) = eval_geometry(image.shape[1], image.shape[2], short, size)
-        out[k] = _resize(image, resized)[:, top:top + size[0], left:left + size[1]]
+        out[k] = _resize(image, resized)[:, top : top + size[0], left : left + size[1]]
     return _to_uint8(out)
 
 

@@ -6,6 +6,7 @@ Two formats, both under `<run dir>/checkpoints/`, both readable by every strateg
   shards (`.metadata`, `__<rank>_0.distcp`) and rank 0 the non-tensor state (`state.pt`: progress,
   scheduler, scaler, RNG, config). `python -m src.checkpoint export <dir> <file.pt>` makes it a full one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ class _FileWriter:
         view = memoryview(data).cast("B")
         try:
             while view:  # os.write may write part of the buffer; the next call reports why
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
         except OSError as exc:
             self.error = self.error or exc
             raise
@@ -54,16 +55,17 @@ def save_atomic(state: dict, path: Path) -> None:
             writer = _FileWriter(f.fileno())
             try:
                 torch.save(state, writer)
-            except Exception as exc:
-                raise writer.error or exc
+            except Exception as exc:  # torch's own message hides the OS error the writer kept
+                raise (writer.error or exc) from None
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):  # e.g. ENOTDIR: there was no temp file to remove
             tmp.unlink()
         if isinstance(exc, OSError):
-            raise ConfigError(f"cannot write checkpoint {path}: {exc.strerror or exc}; free space or set "
-                              f"hydra.run.dir elsewhere") from exc
+            raise ConfigError(
+                f"cannot write checkpoint {path}: {exc.strerror or exc}; free space or set hydra.run.dir elsewhere"
+            ) from exc
         raise  # not the disk's fault (e.g. an unpicklable object): a bug to see in full
 
 
@@ -75,8 +77,9 @@ def _read(path: Path, what: Path) -> dict:
         return torch.load(what, map_location="cpu", weights_only=False)
     except Exception as exc:
         cause = " ".join(str(exc).split())[:80]  # one line, whatever torch says
-        raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); "
-                          f"pass another file or trainer.resume=none") from None
+        raise ConfigError(
+            f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); pass another file or trainer.resume=none"
+        ) from None
 
 
 def load(path: Path | str) -> dict:
@@ -85,8 +88,10 @@ def load(path: Path | str) -> dict:
     path = Path(path)
     if path.is_dir():
         if not (path / ".metadata").is_file() or not (path / STATE).is_file():
-            raise ConfigError(f"{path} is not a ddplab checkpoint (a sharded one holds .metadata and {STATE}); "
-                              f"pass a checkpoint written by train.py")
+            raise ConfigError(
+                f"{path} is not a ddplab checkpoint (a sharded one holds .metadata and {STATE}); "
+                f"pass a checkpoint written by train.py"
+            )
         return _read(path, path / STATE)
     if not path.is_file():
         raise ConfigError(f"checkpoint {path} does not exist; pass an existing file or trainer.resume=none")
@@ -103,10 +108,17 @@ def check_compatible(saved: dict, model: dict, path) -> None:
     unexpected = [k for k in saved if k not in model]
     shapes = [k for k in model if k in saved and tuple(saved[k]) != tuple(model[k])]
     if missing or unexpected or shapes:
-        what = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
-                else f"shape of {shapes[0]} is {tuple(saved[shapes[0]])} vs {tuple(model[shapes[0]])}")
-        raise ConfigError(f"checkpoint {path} does not match this model/data ({what}); use the model= and "
-                          f"data= it was trained with, or trainer.resume=none")
+        what = (
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {unexpected[:3]}"
+            if unexpected
+            else f"shape of {shapes[0]} is {tuple(saved[shapes[0]])} vs {tuple(model[shapes[0]])}"
+        )
+        raise ConfigError(
+            f"checkpoint {path} does not match this model/data ({what}); use the model= and "
+            f"data= it was trained with, or trainer.resume=none"
+        )
 
 
 def saved_shapes(path: Path | str, state: dict) -> dict[str, tuple]:

@@ -1,4 +1,5 @@
 """The `cluster/` group: check a SLURM/submitit job layout against the strategy before anything is submitted."""
+
 from __future__ import annotations
 
 import os
@@ -17,30 +18,44 @@ def check_layout(cfg: DictConfig) -> None:
     c, strategy = cfg.cluster, build_strategy(cfg.strategy)
     nodes, tasks, gpus = c.nodes, c.tasks_per_node, c.get("gpus_per_node")
     if not (isinstance(nodes, int) and nodes >= 1 and isinstance(tasks, int) and tasks >= 1):
-        hint = ("cluster.tasks_per_node follows cluster.gpus_per_node=null: on a CPU-only partition set "
-                "cluster.tasks_per_node=N (ranks per node)" if tasks is None and gpus is None
-                else "set positive integers")
-        raise ConfigError(f"cluster.nodes and cluster.tasks_per_node must be positive integers, got {nodes}, {tasks}; "
-                          f"HINT: {hint}")
+        hint = (
+            "cluster.tasks_per_node follows cluster.gpus_per_node=null: on a CPU-only partition set "
+            "cluster.tasks_per_node=N (ranks per node)"
+            if tasks is None and gpus is None
+            else "set positive integers"
+        )
+        raise ConfigError(
+            f"cluster.nodes and cluster.tasks_per_node must be positive integers, got {nodes}, {tasks}; HINT: {hint}"
+        )
     world = nodes * tasks
     launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
     if launcher.endswith(".LocalLauncher") and nodes != 1:
-        raise ConfigError(f"cluster.nodes={nodes} with submitit's local executor, which runs every task on this "
-                          f"machine; HINT: set cluster.nodes=1 (or use cluster=slurm_2nodes on a SLURM cluster)")
+        raise ConfigError(
+            f"cluster.nodes={nodes} with submitit's local executor, which runs every task on this "
+            f"machine; HINT: set cluster.nodes=1 (or use cluster=slurm_2nodes on a SLURM cluster)"
+        )
     if gpus is not None and tasks > gpus:
-        raise ConfigError(f"cluster.tasks_per_node={tasks} > cluster.gpus_per_node={gpus}: one task drives one GPU; "
-                          f"HINT: set cluster.tasks_per_node={gpus}")
+        raise ConfigError(
+            f"cluster.tasks_per_node={tasks} > cluster.gpus_per_node={gpus}: one task drives one GPU; "
+            f"HINT: set cluster.tasks_per_node={gpus}"
+        )
     if strategy.multiprocess and world == 1:
-        raise ConfigError(f"strategy={strategy.name} with 1 rank (nodes=1 x tasks_per_node=1); HINT: set "
-                          f"cluster.gpus_per_node=N (one task per GPU) or use strategy=single")
+        raise ConfigError(
+            f"strategy={strategy.name} with 1 rank (nodes=1 x tasks_per_node=1); HINT: set "
+            f"cluster.gpus_per_node=N (one task per GPU) or use strategy=single"
+        )
     if not strategy.multiprocess and world > 1:
-        raise ConfigError(f"strategy={strategy.name} runs one process but the job has {world} tasks "
-                          f"(nodes={nodes} x tasks_per_node={tasks}); HINT: use strategy=ddp or set "
-                          f"cluster.tasks_per_node=1 cluster.nodes=1")
+        raise ConfigError(
+            f"strategy={strategy.name} runs one process but the job has {world} tasks "
+            f"(nodes={nodes} x tasks_per_node={tasks}); HINT: use strategy=ddp or set "
+            f"cluster.tasks_per_node=1 cluster.nodes=1"
+        )
     devices = cfg.trainer.devices
     if devices != "auto" and strategy.multiprocess and devices != tasks:
-        raise ConfigError(f"trainer.devices={devices} but each node runs cluster.tasks_per_node={tasks} ranks; "
-                          f"HINT: set trainer.devices=auto")
+        raise ConfigError(
+            f"trainer.devices={devices} but each node runs cluster.tasks_per_node={tasks} ranks; "
+            f"HINT: set trainer.devices=auto"
+        )
 
 
 class ValidateCluster(Callback):

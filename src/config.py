@@ -4,6 +4,7 @@ Everything here runs in the launching process before any rank starts, so a bad i
 on stderr and no partial outputs. Each option's own type and range are declared in src/schema.py;
 this module checks how options fit together and with the machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,21 +30,27 @@ def check_types(cfg: DictConfig) -> None:
     t = cfg.trainer
     cut, augment = cfg.data.get("cutout", 0), cfg.data.get("augment", "none")
     # "auto" is resolved when the images are read (the loader checks it then)
-    _expect(not cut or augment in ("crop_flip", "auto"),
-            f"data.cutout={cut} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0")
+    _expect(
+        not cut or augment in ("crop_flip", "auto"),
+        f"data.cutout={cut} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0",
+    )
     # torch's CUDA-graph trees hand out each replay's gradients in memory the next replay reuses, so gradients
     # summed over micro-batches come out wrong (pytorch/pytorch#169545, #96693)
-    _expect(t.compile_mode != "reduce-overhead" or not t.compile or t.accumulate_grad_batches == 1,
-            f"trainer.compile_mode=reduce-overhead (CUDA graphs) cannot accumulate gradients over "
-            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} micro-batches (torch sums them wrongly); "
-            f"use trainer.compile_mode=default or accumulate_grad_batches=1")
+    _expect(
+        t.compile_mode != "reduce-overhead" or not t.compile or t.accumulate_grad_batches == 1,
+        f"trainer.compile_mode=reduce-overhead (CUDA graphs) cannot accumulate gradients over "
+        f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} micro-batches (torch sums them wrongly); "
+        f"use trainer.compile_mode=default or accumulate_grad_batches=1",
+    )
 
 
 def resolve_device_type(cfg: DictConfig) -> str:
     wanted = cfg.trainer.device
     if wanted == "cuda":
-        _expect(torch.cuda.is_available(),
-                "trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu (or auto)")
+        _expect(
+            torch.cuda.is_available(),
+            "trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu (or auto)",
+        )
         return "cuda"
     if wanted == "cpu":
         return "cpu"
@@ -56,7 +63,7 @@ class Layout:
 
     strategy: str
     device_type: str
-    world_size: int          # processes
+    world_size: int  # processes
     devices_per_process: int  # >1 only for dp
     accumulate: int
     global_batch: int
@@ -75,8 +82,9 @@ def _available_devices(device_type: str) -> int:
     return torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
 
 
-def plan_layout(cfg: DictConfig, launched_world_size: int | None = None,
-                launched_local_size: int | None = None) -> Layout:
+def plan_layout(
+    cfg: DictConfig, launched_world_size: int | None = None, launched_local_size: int | None = None
+) -> Layout:
     """Validate the config against the machine (or the launcher that started us) and size the run.
 
     launched_world_size: the world size of an external launcher (torchrun, SLURM), if any.
@@ -87,14 +95,17 @@ def plan_layout(cfg: DictConfig, launched_world_size: int | None = None,
     strategy = build_strategy(cfg.strategy)
     device_type = resolve_device_type(cfg)
     strategy.check(cfg, device_type)
-    world, per_process = strategy.processes(cfg.trainer.devices, _available_devices(device_type), device_type,
-                                            launched_world_size, launched_local_size)
+    world, per_process = strategy.processes(
+        cfg.trainer.devices, _available_devices(device_type), device_type, launched_world_size, launched_local_size
+    )
     accumulate = cfg.trainer.accumulate_grad_batches
     batch = cfg.data.batch_size
-    _expect(batch % (world * accumulate * per_process) == 0,
-            f"data.batch_size={batch} (global) is not divisible by world_size*accumulate_grad_batches*"
-            f"devices_per_process={world}*{accumulate}*{per_process}; pick a multiple of "
-            f"{world * accumulate * per_process}")
+    _expect(
+        batch % (world * accumulate * per_process) == 0,
+        f"data.batch_size={batch} (global) is not divisible by world_size*accumulate_grad_batches*"
+        f"devices_per_process={world}*{accumulate}*{per_process}; pick a multiple of "
+        f"{world * accumulate * per_process}",
+    )
     if cfg.trainer.amp and cfg.trainer.amp_dtype == "fp16":
         _expect(device_type == "cuda", "trainer.amp_dtype=fp16 needs a CUDA GPU; use trainer.amp_dtype=bf16 on CPU")
     return Layout(strategy.name, device_type, world, per_process, accumulate, batch)

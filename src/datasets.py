@@ -7,6 +7,7 @@ tensors N x C x H x W in memory, which both loaders (src/loaders.py) index direc
 ImageFolders (and packed shards, src/shards.py) stay on disk as encoded images (src/decode.py), decoded
 per batch by DataLoader workers or on the training device (`data.decode`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,8 +53,13 @@ def _is_number(value) -> bool:
 def _is_range(value, upper: float | None = None) -> bool:
     """[low, high] with 0 < low <= high (<= upper)."""
     value = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
-    return (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) for v in value)
-            and 0 < value[0] <= value[1] and (upper is None or value[1] <= upper))
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(_is_number(v) for v in value)
+        and 0 < value[0] <= value[1]
+        and (upper is None or value[1] <= upper)
+    )
 
 
 # key: (test, what a valid value is). The shared keys (conf/data/_common.yaml) must be present.
@@ -84,15 +90,17 @@ def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
     """The function `data._target_` names."""
     target = cfg.get("_target_")
     if not isinstance(target, str) or not target:
-        raise ConfigError("data._target_ is not set; a data YAML names its builder, "
-                          "e.g. _target_: src.datasets.load_imagefolder")
+        raise ConfigError(
+            "data._target_ is not set; a data YAML names its builder, e.g. _target_: src.datasets.load_imagefolder"
+        )
     hydra_log = logging.getLogger("hydra.utils")  # get_method logs a failure over three lines, then raises it
     was_disabled, hydra_log.disabled = hydra_log.disabled, True
     try:
         return get_method(target)
     except Exception as exc:  # ImportError or ValueError; the last line says what to check
-        raise ConfigError(f"data._target_={target} cannot be imported as a function "
-                          f"({str(exc).strip().splitlines()[-1]})") from None
+        raise ConfigError(
+            f"data._target_={target} cannot be imported as a function ({str(exc).strip().splitlines()[-1]})"
+        ) from None
     finally:
         hydra_log.disabled = was_disabled
 
@@ -116,8 +124,8 @@ def check_data_config(cfg: DictConfig) -> None:
 
 @dataclass
 class Split:
-    labels: torch.Tensor                      # int64 N
-    images: torch.Tensor | None = None        # uint8 N x C x H x W when in memory
+    labels: torch.Tensor  # int64 N
+    images: torch.Tensor | None = None  # uint8 N x C x H x W when in memory
     files: torch.utils.data.Dataset | None = None  # on-disk samples when not
 
     def __len__(self) -> int:
@@ -135,7 +143,7 @@ class DataBundle:
     image_size: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    augment: str                               # none | crop_flip | random_resized_crop
+    augment: str  # none | crop_flip | random_resized_crop
     classes: list[str] = field(default_factory=list)
 
     @property
@@ -153,8 +161,10 @@ def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val
     try:
         keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
     except ValueError as exc:  # sklearn: a side too small to hold every class once, or empty
-        raise ConfigError(f"{key}={fraction} cannot split {len(labels)} samples of {len(labels.unique())} "
-                          f"classes ({str(exc).strip().splitlines()[0]}); pick a value nearer 0.1") from None
+        raise ConfigError(
+            f"{key}={fraction} cannot split {len(labels)} samples of {len(labels.unique())} "
+            f"classes ({str(exc).strip().splitlines()[0]}); pick a value nearer 0.1"
+        ) from None
     return torch.from_numpy(np.sort(keep)), torch.from_numpy(np.sort(held))
 
 
@@ -187,8 +197,19 @@ def load_digits_data(cfg: DictConfig) -> DataBundle:
     full = Split(labels, images=images)
     train, val = carve_val(_subset(full, train_idx), cfg.val_fraction)
     mean, std = _channel_stats(train.images)
-    return DataBundle(cfg.name, train, val, _subset(full, test_idx), 10, 1, (8, 8), mean, std,
-                      cfg.get("augment", "none"), [str(i) for i in range(10)])
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        _subset(full, test_idx),
+        10,
+        1,
+        (8, 8),
+        mean,
+        std,
+        cfg.get("augment", "none"),
+        [str(i) for i in range(10)],
+    )
 
 
 def _load_cifar(cfg: DictConfig, which: str) -> DataBundle:
@@ -200,17 +221,32 @@ def _load_cifar(cfg: DictConfig, which: str) -> DataBundle:
     try:
         parts = [cls(str(root), train=flag, download=cfg.download) for flag in (True, False)]
     except Exception as exc:  # torchvision raises RuntimeError / URLError / OSError
-        raise ConfigError(f"{which} is not in {root} and could not be downloaded ({type(exc).__name__}); "
-                          f"place {archive} (or its extracted folder) in {root}, or set data.root") from None
+        raise ConfigError(
+            f"{which} is not in {root} and could not be downloaded ({type(exc).__name__}); "
+            f"place {archive} (or its extracted folder) in {root}, or set data.root"
+        ) from None
 
     def to_split(ds) -> Split:
-        return Split(torch.tensor(ds.targets, dtype=torch.long),
-                     images=torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous())
+        return Split(
+            torch.tensor(ds.targets, dtype=torch.long),
+            images=torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(),
+        )
 
     train, val = carve_val(to_split(parts[0]), cfg.val_fraction)
     mean, std = CIFAR_STATS[which]
-    return DataBundle(cfg.name, train, val, to_split(parts[1]), len(parts[0].classes), 3, (32, 32), mean, std,
-                      cfg.get("augment", "crop_flip"), list(parts[0].classes))
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        to_split(parts[1]),
+        len(parts[0].classes),
+        3,
+        (32, 32),
+        mean,
+        std,
+        cfg.get("augment", "crop_flip"),
+        list(parts[0].classes),
+    )
 
 
 def load_cifar10(cfg: DictConfig) -> DataBundle:
@@ -226,15 +262,28 @@ def load_synthetic(cfg: DictConfig) -> DataBundle:
     c, h, w = cfg.shape
 
     def make(n: int) -> Split:
-        return Split(torch.randint(0, cfg.num_classes, (n,), generator=g),
-                     images=torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g))
+        return Split(
+            torch.randint(0, cfg.num_classes, (n,), generator=g),
+            images=torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g),
+        )
 
     train, val = carve_val(make(cfg.num_samples), cfg.val_fraction)
-    return DataBundle(cfg.name, train, val, make(cfg.num_test), cfg.num_classes, c, (h, w),
-                      (0.5,) * c, (0.29,) * c, cfg.get("augment", "none"))
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        make(cfg.num_test),
+        cfg.num_classes,
+        c,
+        (h, w),
+        (0.5,) * c,
+        (0.29,) * c,
+        cfg.get("augment", "none"),
+    )
 
 
 # --- ImageFolder ---------------------------------------------------------------------------------
+
 
 def _check_folder(path: Path) -> None:
     if not path.is_dir():
@@ -260,8 +309,10 @@ def _image_folder(folder: Path, transform=None):
     ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=_open_rgb, allow_empty=True)
     empty = sorted(set(ds.classes) - {ds.classes[t] for t in ds.targets})
     if empty:  # torchvision's own error is a FileNotFoundError traceback
-        raise ConfigError(f"{folder}: class folder(s) {', '.join(empty[:5])} hold no images (.jpg, .png, ...); "
-                          f"add images or remove the folder(s)")
+        raise ConfigError(
+            f"{folder}: class folder(s) {', '.join(empty[:5])} hold no images (.jpg, .png, ...); "
+            f"add images or remove the folder(s)"
+        )
     return ds
 
 
@@ -297,8 +348,12 @@ def _read_cache(cache: Path, count: int) -> torch.Tensor | None:
     """The cached images, or None (with a warning) when the file is truncated, corrupt or not ours."""
     try:
         images = torch.load(cache, weights_only=True)["images"]
-        if isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.dim() == 4 \
-                and len(images) == count:
+        if (
+            isinstance(images, torch.Tensor)
+            and images.dtype == torch.uint8
+            and images.dim() == 4
+            and len(images) == count
+        ):
             return images
         why = "unexpected contents"
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
@@ -344,15 +399,19 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
     classes = base["train"].classes
     for name, ds in base.items():
         if ds.classes != classes:
-            raise ConfigError(f"{root}/{name} has classes {ds.classes[:5]}... but train/ has {classes[:5]}...; "
-                              f"every split needs the same class folders")
+            raise ConfigError(
+                f"{root}/{name} has classes {ds.classes[:5]}... but train/ has {classes[:5]}...; "
+                f"every split needs the same class folders"
+            )
     size = cfg.image_size
     h, w = (size, size) if size else _open_rgb(base["train"].samples[0][0]).size[::-1]
     augment = _resolve_augment(cfg.augment, h, w)
     n_total = sum(len(ds) for ds in base.values())
     if n_total * 3 * h * w > cfg.max_memory_gb * 2**30 or augment == "random_resized_crop":
-        files = {name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
-                 for name, ds in base.items()}
+        files = {
+            name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
+            for name, ds in base.items()
+        }
         return disk_bundle(cfg, files, classes, (h, w), augment)
     splits = {}
     for name, ds in base.items():
@@ -376,16 +435,28 @@ def _train_val_test(splits: dict[str, Split], val_fraction: float) -> tuple[Spli
     return train, val, splits.get("test", splits.get("val"))
 
 
-def disk_bundle(cfg: DictConfig, files: dict[str, EncodedImages], classes: list[str], size: tuple[int, int],
-                augment: str) -> DataBundle:
+def disk_bundle(
+    cfg: DictConfig, files: dict[str, EncodedImages], classes: list[str], size: tuple[int, int], augment: str
+) -> DataBundle:
     """The DataBundle of splits that stay on disk (an ImageFolder too big for memory, packed shards): each batch
     is decoded by the loader, cropped to `size` (random resized crops when training with random_resized_crop,
     else resize + centre crop) and normalized with ImageNet's statistics."""
     splits = {name: Split(f.labels, files=f) for name, f in files.items()}
     train, val, test = _train_val_test(splits, cfg.val_fraction)
     mean, std = IMAGENET_STATS
-    return DataBundle(cfg.name, train, val, test, len(classes), 3, tuple(size), mean, std,
-                      _resolve_augment(augment, *size), list(classes))
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        test,
+        len(classes),
+        3,
+        tuple(size),
+        mean,
+        std,
+        _resolve_augment(augment, *size),
+        list(classes),
+    )
 
 
 def load_data(cfg: DictConfig) -> DataBundle:
@@ -395,10 +466,13 @@ def load_data(cfg: DictConfig) -> DataBundle:
     if not isinstance(data, DataBundle):
         raise ConfigError(f"data._target_={cfg._target_} returned {type(data).__name__}, not a DataBundle")
     if data.in_memory and data.augment not in IN_MEMORY_AUGMENTS:
-        raise ConfigError(f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
-                          f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}")
+        raise ConfigError(
+            f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
+            f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}"
+        )
     for split in ("train", "test"):
         if not len(getattr(data, split)):
-            raise ConfigError(f"the {split} split of data={cfg.name} is empty; lower data.val_fraction "
-                              f"(or data.test_fraction)")
+            raise ConfigError(
+                f"the {split} split of data={cfg.name} is empty; lower data.val_fraction (or data.test_fraction)"
+            )
     return data

@@ -5,6 +5,7 @@ sample's encoded bytes; the loader decodes them either in its DataLoader workers
 the training device (`decode_batch`: nvjpeg on CUDA). `gpu_decodable` tells, from a JPEG's header alone, which
 images the device decoder handles; the rest (PNG, CMYK, grayscale, progressive, ...) is decoded on the CPU.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,7 +57,7 @@ def gpu_decodable(data) -> bool:
             pos += 2
             continue
         length = (data[pos + 2] << 8) | data[pos + 3]
-        segment = data[pos + 4:pos + 2 + length]
+        segment = data[pos + 4 : pos + 2 + length]
         if marker in _OTHER_FRAMES:
             return False
         if marker in _SEQUENTIAL:

@@ -3,6 +3,7 @@
 Ranks are started either by us (torch's elastic launcher, src/launch.py), by torchrun, by srun or by
 submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,8 +36,9 @@ class RankEnv:
 
 def _slurm_master_addr(nodelist: str) -> str:
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
         return out.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return nodelist.split(",")[0].split("[")[0]
@@ -87,11 +89,17 @@ def rank_env() -> RankEnv:
         launcher = "submitit" if "SUBMITIT_EXECUTOR" in env else "slurm"
     if launcher == "none":
         return RankEnv()
-    return RankEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                   int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), launcher)
+    return RankEnv(
+        int(env["RANK"]),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env["WORLD_SIZE"]),
+        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        launcher,
+    )
 
 
 # --- Hydra resolvers: one run directory per run, decided once for all ranks -----------------------
+
 
 def _now_stamp() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S.%f")
@@ -108,8 +116,9 @@ def run_stamp() -> str:
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in env:
         return f"slurm/{env.get('SLURM_ARRAY_JOB_ID', env['SLURM_JOB_ID'])}"
     if "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and int(env.get("WORLD_SIZE", "1")) > 1:
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
+        )
         return store.compare_set("ddplab/run_stamp", "", _now_stamp()).decode()
     return _now_stamp()
 
@@ -135,13 +144,17 @@ def rank_log_suffix() -> str:
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    for name, fn in (("run_stamp", run_stamp), ("rank_zero_only", rank_zero_only),
-                     ("rank_log_suffix", rank_log_suffix)):
+    for name, fn in (
+        ("run_stamp", run_stamp),
+        ("rank_zero_only", rank_zero_only),
+        ("rank_log_suffix", rank_log_suffix),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)
 
 
 # --- process group -------------------------------------------------------------------------------
+
 
 def init_process_group(env: RankEnv, device_type: str) -> torch.device:
     """Join the job's process group (if distributed) and return this rank's device."""
@@ -164,8 +177,13 @@ def _attempt_store(env: RankEnv) -> dist.Store:
     must not read the dead group's addresses (seen: gloo 'connectFullMesh ... Connection refused')."""
     e = os.environ
     agent_hosts = e.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(e["MASTER_ADDR"], int(e["MASTER_PORT"]), env.world_size,
-                          is_master=not agent_hosts and env.rank == 0, timeout=datetime.timedelta(minutes=10))
+    store = dist.TCPStore(
+        e["MASTER_ADDR"],
+        int(e["MASTER_PORT"]),
+        env.world_size,
+        is_master=not agent_hosts and env.rank == 0,
+        timeout=datetime.timedelta(minutes=10),
+    )
     return dist.PrefixStore(f"ddplab/attempt_{e.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -1,4 +1,5 @@
 """How well a run uses its hardware: FLOPs of a training step, the GPU's peak, MFU, and peak memory."""
+
 from __future__ import annotations
 
 import re
@@ -57,14 +58,30 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 # to a row above. The first match wins, so variants come before the plain name; \b keeps L4 from L40, A10
 # from A100 and A10G (whose peak NVIDIA does not publish).
 _NAME_PATTERNS = [
-    (r"H100.*PCIe", "H100 PCIe"), (r"H100 NVL", "H100 NVL"), (r"H200 NVL", "H200 NVL"),
-    (r"\bH100\b|\bGH200\b", "H100 SXM"), (r"\bH200\b", "H200"), (r"\bA100\b", "A100"), (r"\bA10\b", "A10"),
-    (r"\bL40S\b", "L40S"), (r"\bL40\b", "L40"), (r"\bL4\b", "L4"), (r"RTX 4090\b", "RTX 4090"),
-    (r"V100.*PCIE", "V100 PCIe"), (r"\bV100", "V100 SXM2"), (r"\bT4\b", "T4"),
+    (r"H100.*PCIe", "H100 PCIe"),
+    (r"H100 NVL", "H100 NVL"),
+    (r"H200 NVL", "H200 NVL"),
+    (r"\bH100\b|\bGH200\b", "H100 SXM"),
+    (r"\bH200\b", "H200"),
+    (r"\bA100\b", "A100"),
+    (r"\bA10\b", "A10"),
+    (r"\bL40S\b", "L40S"),
+    (r"\bL40\b", "L40"),
+    (r"\bL4\b", "L4"),
+    (r"RTX 4090\b", "RTX 4090"),
+    (r"V100.*PCIE", "V100 PCIe"),
+    (r"\bV100", "V100 SXM2"),
+    (r"\bT4\b", "T4"),
 ]
 
-_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", "bf16": "bf16", "fp16": "fp16", "tf32": "tf32",
-               "fp32": "fp32"}
+_DTYPE_KEYS = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "tf32": "tf32",
+    "fp32": "fp32",
+}
 
 
 def _precision(dtype: torch.dtype | str) -> str:
@@ -110,7 +127,9 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
     last reset_peak. CPU: the whole process's peak resident set (host memory, since the process started)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / GIB,
-                "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GIB}
+        return {
+            "peak_mem_gb": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GIB,
+        }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_host_mem_gb": rss * (1 if sys.platform == "darwin" else 1024) / GIB}  # macOS: bytes, Linux: KiB

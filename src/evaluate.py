@@ -1,4 +1,5 @@
 """Exact evaluation: sums and counts over every sample, each counted once, all-reduced over ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> list[
     kmax = min(max(ks), logits.shape[1])
     top = logits.topk(kmax, dim=1).indices
     hits = top.eq(target[:, None])
-    return [hits[:, :min(k, kmax)].any(dim=1).sum() for k in ks]
+    return [hits[:, : min(k, kmax)].any(dim=1).sum() for k in ks]
 
 
 def tta_views(x: torch.Tensor, flip: bool, shift: int) -> list[torch.Tensor]:
@@ -22,13 +23,14 @@ def tta_views(x: torch.Tensor, flip: bool, shift: int) -> list[torch.Tensor]:
     if shift:
         padded = F.pad(x, (shift, shift, shift, shift), mode="reflect")
         h, w = x.shape[-2:]
-        views += [padded[..., :h, :w], padded[..., 2 * shift:, 2 * shift:]]
+        views += [padded[..., :h, :w], padded[..., 2 * shift :, 2 * shift :]]
     return views + [v.flip(3) for v in views] if flip else views
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, autocast, flip_tta: bool = False,
-             tta_shift: int = 0) -> dict[str, float]:
+def evaluate(
+    model, batches, device: torch.device, autocast, flip_tta: bool = False, tta_shift: int = 0
+) -> dict[str, float]:
     """Loss, top-1 and top-5 (percent) of `model` over the batches of every rank together.
     flip_tta / tta_shift: score each image by the mean logits over its `tta_views`."""
     model.eval()
@@ -46,5 +48,4 @@ def evaluate(model, batches, device: torch.device, autocast, flip_tta: bool = Fa
     totals[3] = count
     loss_sum, top1, top5, count = all_reduce(totals).tolist()
     count = max(count, 1.0)
-    return {"loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
-            "count": int(count)}
+    return {"loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count, "count": int(count)}

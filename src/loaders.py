@@ -7,6 +7,7 @@ ranks and micro-steps of a step is exactly the single-device batch of that step.
 Evaluation shards each split into contiguous, unpadded pieces: every sample is seen exactly once.
 Workers ship uint8 images; normalization (4x the bytes as float32) happens on the training device.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,17 +29,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class Step:
     micro: list[torch.Tensor]  # this rank's sample ids, one tensor per micro-step
-    global_count: int          # samples in the whole optimizer step, over all ranks
+    global_count: int  # samples in the whole optimizer step, over all ranks
 
 
-def plan_epoch(n: int, global_batch: int, world: int, rank: int, accumulate: int, seed: int,
-               epoch: int, drop_last: bool = False) -> list[Step]:
+def plan_epoch(
+    n: int, global_batch: int, world: int, rank: int, accumulate: int, seed: int, epoch: int, drop_last: bool = False
+) -> list[Step]:
     """This rank's steps for one epoch. A short last global batch is kept (split as evenly as possible)
     unless it has fewer samples than world_size x accumulate, or drop_last is set."""
     perm = torch.randperm(n, generator=epoch_generator(seed, epoch, stream=0))
     steps = []
     for start in range(0, n, global_batch):
-        batch = perm[start:start + global_batch]
+        batch = perm[start : start + global_batch]
         if len(batch) < world * accumulate or (drop_last and len(batch) < global_batch):
             break
         chunks = torch.tensor_split(batch, world * accumulate)
@@ -54,22 +56,25 @@ def eval_shard(n: int, world: int, rank: int) -> torch.Tensor:
 class MicroBatch:
     x: torch.Tensor
     y: torch.Tensor
-    boundary: bool       # last micro-step of an optimizer step
-    global_count: int    # samples in the optimizer step over all ranks
+    boundary: bool  # last micro-step of an optimizer step
+    global_count: int  # samples in the optimizer step over all ranks
 
 
 class _Transform:
     """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
-    def __init__(self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0,
-                 pad_mode: str = "zeros"):
+    def __init__(
+        self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0, pad_mode: str = "zeros"
+    ):
         self.mean = torch.tensor(data.mean, device=device)
         self.std = torch.tensor(data.std, device=device)
         self.table = normalize_table(data.mean, data.std).to(device)
         self.crop_flip = data.augment == "crop_flip"
         if cutout and not self.crop_flip:
-            raise ConfigError(f"data.cutout={cutout} needs the crop_flip augmentation, but this data uses "
-                              f"{data.augment!r}; set data.cutout=0")
+            raise ConfigError(
+                f"data.cutout={cutout} needs the crop_flip augmentation, but this data uses "
+                f"{data.augment!r}; set data.cutout=0"
+            )
         self.cutout, self.pad_mode = cutout, pad_mode
         self.image_size = tuple(data.image_size)
         self.channels_last = channels_last
@@ -118,11 +123,21 @@ class DeviceLoader:
 
     name = "gpu"
 
-    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, seed: int, cutout: int = 0,
-                 compile: bool = False, pad_mode: str = "zeros"):
+    def __init__(
+        self,
+        data: DataBundle,
+        device: torch.device,
+        channels_last: bool,
+        seed: int,
+        cutout: int = 0,
+        compile: bool = False,
+        pad_mode: str = "zeros",
+    ):
         self.device, self.seed = device, seed
-        self.splits = {k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
-                       for k in ("train", "val", "test")}
+        self.splits = {
+            k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
+            for k in ("train", "val", "test")
+        }
         self.transform = _Transform(data, channels_last, device, cutout, pad_mode)
         # compiled: gather, crop, flip, normalize, cutout and layout become two kernels instead of ~15
         self._train_batch = torch.compile(self._augmented, dynamic=False) if compile else self._augmented
@@ -148,7 +163,7 @@ class DeviceLoader:
         offset = 0
         for step in steps:
             for k, ids in enumerate(step.micro):
-                on_device = all_ids[offset:offset + len(ids)]
+                on_device = all_ids[offset : offset + len(ids)]
                 offset += len(ids)
                 x, y = self._train_batch(images, labels, params, on_device)
                 yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
@@ -165,6 +180,7 @@ class DeviceLoader:
 class _Batch(NamedTuple):
     """What a worker ships: uint8 images (augmented as far as the worker goes) and what the device needs to
     finish them: labels, augmentation draws (cutout), sample ids, one line per image skipped as unreadable."""
+
     x: torch.Tensor
     y: torch.Tensor
     params: torch.Tensor | None = None
@@ -175,6 +191,7 @@ class _Batch(NamedTuple):
 class _Encoded(NamedTuple):
     """A worker's batch for the device to decode: images back to back in `blob` (offsets: B + 1), each an
     encoded JPEG (shape row 0, 0, 0) or, where the device decoder cannot take it, uint8 pixels of that shape."""
+
     blob: torch.Tensor
     offsets: torch.Tensor
     shapes: torch.Tensor
@@ -236,13 +253,23 @@ class ClassicLoader:
 
     name = "classic"
 
-    def __init__(self, data: DataBundle, device: torch.device, channels_last: bool, num_workers: int, seed: int,
-                 cutout: int = 0, pad_mode: str = "zeros"):
+    def __init__(
+        self,
+        data: DataBundle,
+        device: torch.device,
+        channels_last: bool,
+        num_workers: int,
+        seed: int,
+        cutout: int = 0,
+        pad_mode: str = "zeros",
+    ):
         self.device = device
         cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout, pad_mode=pad_mode)
         self.transform = _Transform(data, channels_last, device, cutout, pad_mode)  # normalizes on the device
-        self.datasets = {k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory
-                             else _FileBatches(getattr(data, k))) for k in ("train", "val", "test")}
+        self.datasets = {
+            k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory else _FileBatches(getattr(data, k)))
+            for k in ("train", "val", "test")
+        }
         self.num_workers = num_workers
         self.pin = device.type == "cuda"
         self.requests = {k: _Requests() for k in self.datasets}
@@ -254,10 +281,16 @@ class ClassicLoader:
         if split not in self.loaders:
             workers = self.num_workers
             self.loaders[split] = torch.utils.data.DataLoader(
-                self.datasets[split], batch_sampler=self.requests[split], collate_fn=_first, num_workers=workers,
-                pin_memory=self.pin, prefetch_factor=4 if workers else None, persistent_workers=workers > 0,
+                self.datasets[split],
+                batch_sampler=self.requests[split],
+                collate_fn=_first,
+                num_workers=workers,
+                pin_memory=self.pin,
+                prefetch_factor=4 if workers else None,
+                persistent_workers=workers > 0,
                 # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
-                multiprocessing_context="fork" if workers else None)
+                multiprocessing_context="fork" if workers else None,
+            )
         return self.loaders[split]
 
     def close(self) -> None:
@@ -292,6 +325,7 @@ class ClassicLoader:
 
 
 # --- images read from disk ---------------------------------------------------------------------------
+
 
 def _check_some_left(images: list) -> None:
     if not images:  # possible only with data.skip_bad_images
@@ -330,8 +364,9 @@ class _DiskBatches(torch.utils.data.Dataset):
         epoch, ids = request
         files = self.split.files
         if self.decode_here:
-            kept, images, skipped = _read_or_skip(files, ids, self.skip,
-                                                  lambda data, i: decode_cpu(as_tensor(data), files.name(i)))
+            kept, images, skipped = _read_or_skip(
+                files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
+            )
             ids = ids[kept]
             _check_some_left(images)
             return _Batch(self.crops(images, ids, epoch), self.split.labels[ids], ids=ids, skipped=tuple(skipped))
@@ -348,8 +383,14 @@ class _DiskBatches(torch.utils.data.Dataset):
             blob += data
         offsets = np.cumsum([0] + [len(data) for data, _ in parts])
         ids = ids[kept]
-        return _Encoded(as_tensor(blob), torch.from_numpy(offsets), torch.tensor([s for _, s in parts]).view(-1, 3),
-                        self.split.labels[ids], ids, tuple(skipped))
+        return _Encoded(
+            as_tensor(blob),
+            torch.from_numpy(offsets),
+            torch.tensor([s for _, s in parts]).view(-1, 3),
+            self.split.labels[ids],
+            ids,
+            tuple(skipped),
+        )
 
 
 class DiskLoader(ClassicLoader):
@@ -362,8 +403,13 @@ class DiskLoader(ClassicLoader):
         self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
         self.name = "gpudecode" if on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
-        self.crops = DiskCrops(data.image_size, data.augment == "random_resized_crop", seed,
-                               cfg.get("rrc_scale", (0.08, 1.0)), cfg.get("rrc_ratio", (3 / 4, 4 / 3)))
+        self.crops = DiskCrops(
+            data.image_size,
+            data.augment == "random_resized_crop",
+            seed,
+            cfg.get("rrc_scale", (0.08, 1.0)),
+            cfg.get("rrc_ratio", (3 / 4, 4 / 3)),
+        )
         self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         self.files = {k: getattr(data, k).files for k in ("train", "val", "test")}
@@ -418,8 +464,10 @@ class DiskLoader(ClassicLoader):
         shapes = batch.shapes.tolist()
         parts = [batch.blob[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         jpegs = [k for k, shape in enumerate(shapes) if shape[0] == 0]
-        images = [None if shape[0] == 0 else parts[k].view(shape).to(self.device, non_blocking=True)
-                  for k, shape in enumerate(shapes)]
+        images = [
+            None if shape[0] == 0 else parts[k].view(shape).to(self.device, non_blocking=True)
+            for k, shape in enumerate(shapes)
+        ]
         files = self.files[split]
         decoded = decode_batch([parts[k] for k in jpegs], self.device, lambda j: files.name(int(batch.ids[jpegs[j]])))
         for k, image in zip(jpegs, decoded):
@@ -443,8 +491,7 @@ def _one_line_errors(loader) -> Iterator:
         raise ConfigError(last.split("ConfigError: ", 1)[-1]) from None
 
 
-def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int,
-                 compile: bool = False):
+def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, compile: bool = False):
     """data.loader: gpu (device-resident), classic (DataLoader workers) or auto.
     compile (trainer.compile): compile the gpu loader's augmentation too."""
     choice = cfg.get("loader", "auto")
@@ -453,8 +500,10 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
         choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
     if choice == "gpu":
         if not data.in_memory:
-            raise ConfigError("data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
-                              "(data.decode=gpu decodes images read from disk on the GPU) or raise data.max_memory_gb")
+            raise ConfigError(
+                "data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
+                "(data.decode=gpu decodes images read from disk on the GPU) or raise data.max_memory_gb"
+            )
         return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode)
     if isinstance(data.train.files, EncodedImages):
         decode = cfg.get("decode", "auto")

@@ -4,6 +4,7 @@
 (`logger=[tensorboard,wandb]`); `build_loggers` builds each as `<class>(run_dir=..., cfg=..., **options)`
 and returns one `Logger` that calls them all. A new logger is one `Logger` subclass plus one YAML file.
 """
+
 from __future__ import annotations
 
 import csv
@@ -13,8 +14,18 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 # Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
-METRICS = ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch", "images_per_sec", "peak_mem_gb",
-           "peak_host_mem_gb", "tflops_per_gpu", "mfu")
+METRICS = (
+    "test_loss",
+    "test_top1",
+    "test_top5",
+    "best_val_top1",
+    "sec_per_epoch",
+    "images_per_sec",
+    "peak_mem_gb",
+    "peak_host_mem_gb",
+    "tflops_per_gpu",
+    "mfu",
+)
 
 
 class Logger:
@@ -55,8 +66,9 @@ def build_loggers(cfg: DictConfig, run_dir) -> Loggers:
     selected = cfg.get("logger") or {}
     # _partial_: run_dir and cfg reach the class as they are; instantiate(..., cfg=cfg) would merge a copy of the
     # whole config into the logger's node, where its interpolations (${paths.root_dir}, ...) no longer resolve
-    return Loggers(instantiate(options, _partial_=True)(run_dir=Path(run_dir), cfg=cfg)
-                   for options in selected.values())
+    return Loggers(
+        instantiate(options, _partial_=True)(run_dir=Path(run_dir), cfg=cfg) for options in selected.values()
+    )
 
 
 def job_identity(run_dir: Path) -> tuple[str, str | None]:
@@ -76,6 +88,7 @@ def job_identity(run_dir: Path) -> tuple[str, str | None]:
 
 
 # --- TensorBoard ----------------------------------------------------------------------------------
+
 
 def open_writer(run_dir):
     """TensorBoard writer whose event files go to `<run_dir>/tb`."""
@@ -99,8 +112,7 @@ def write_hparams(writer, hparams: dict, final_metrics: dict, step: int = 0) -> 
     from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
     hp = {str(k): _hparam_value(v) for k, v in hparams.items()}
-    metrics = {f"hparams/{name}": float(final_metrics[name])
-               for name in METRICS if final_metrics.get(name) is not None}
+    metrics = {f"hparams/{name}": float(final_metrics[name]) for name in METRICS if final_metrics.get(name) is not None}
     # file_writer: the public FileWriter of the writer's event file (add_hparams writes its sub-run through it)
     for summary in hparams_summaries(hp, metrics):  # experiment, session start, session end
         writer.file_writer.add_summary(summary, step)
@@ -128,6 +140,7 @@ class TensorBoardLogger(Logger):
 
 
 # --- CSV ------------------------------------------------------------------------------------------
+
 
 class CSVLogger(Logger):
     """`<run_dir>/<filename>`: one row per step (the trainer's is the epoch), a `step` column, then one per tag.
@@ -158,22 +171,38 @@ class CSVLogger(Logger):
 
 # --- Weights & Biases -----------------------------------------------------------------------------
 
+
 class WandbLogger(Logger):
     """A W&B run in `<run_dir>/wandb/`, named by the job's overrides, grouped by sweep, its config the resolved
     config. mode=offline (default) needs no account and no network; `wandb sync <run_dir>/wandb/offline-run-*`
     uploads it later. Final metrics go to the run's summary as `final/<name>`, hyper-parameters to config.hparams.
     """
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, project: str = "ddplab", entity: str | None = None,
-                 mode: str = "offline", tags=()):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        project: str = "ddplab",
+        entity: str | None = None,
+        mode: str = "offline",
+        tags=(),
+    ):
         import wandb  # here: only a job that selects it needs wandb installed
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir when `dir` is missing
         name, group = job_identity(run_dir)
-        self.run = wandb.init(dir=str(run_dir), project=project, entity=entity, mode=mode, name=name, group=group,
-                              tags=list(tags), config=OmegaConf.to_container(cfg, resolve=True),
-                              settings=wandb.Settings(silent=mode == "offline"))  # nothing to link to offline
+        self.run = wandb.init(
+            dir=str(run_dir),
+            project=project,
+            entity=entity,
+            mode=mode,
+            name=name,
+            group=group,
+            tags=list(tags),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            settings=wandb.Settings(silent=mode == "offline"),
+        )  # nothing to link to offline
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         self.run.log(dict(metrics), step=step)

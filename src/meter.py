@@ -1,4 +1,5 @@
 """An epoch's numbers: loss and hits kept on the device (no host sync per step), time, data wait; reduced once."""
+
 from __future__ import annotations
 
 import time
@@ -43,6 +44,10 @@ class EpochMeter:
         seconds = reduce_max(time.perf_counter() - self.start, self.device)
         wait = all_reduce(torch.tensor([self.wait], dtype=torch.float64, device=self.device)).item() / self.world_size
         loss_sum, hits, count = self.partial_totals().tolist()
-        return {"train_loss": loss_sum / max(count, 1), "train_top1": 100 * hits / max(count, 1),
-                "epoch_sec": seconds, "images_per_sec": images / max(seconds, 1e-9),
-                "data_wait_fraction": wait / max(seconds, 1e-9)}
+        return {
+            "train_loss": loss_sum / max(count, 1),
+            "train_top1": 100 * hits / max(count, 1),
+            "epoch_sec": seconds,
+            "images_per_sec": images / max(seconds, 1e-9),
+            "data_wait_fraction": wait / max(seconds, 1e-9),
+        }

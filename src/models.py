@@ -1,4 +1,5 @@
 """The `model/` group. Every builder takes num_classes and in_channels from the data."""
+
 from __future__ import annotations
 
 import difflib
@@ -32,8 +33,13 @@ class ResNet9(nn.Module):
     resolution with max-pooling, residual pairs after the first and last, a max-pooled linear head
     whose logits are scaled down (keeps the early softmax soft at high learning rates)."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 64,
-                 logit_scale: Annotated[float, PositiveReal] = 0.125):
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int = 3,
+        width: Annotated[int, Positive] = 64,
+        logit_scale: Annotated[float, PositiveReal] = 0.125,
+    ):
         super().__init__()
         w = width
         self.prep = _conv_bn(in_channels, w)
@@ -58,19 +64,23 @@ def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3) ->
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        raise ConfigError(f"model.name={name!r} is not a torchvision classifier; e.g. one of "
-                          f"{', '.join(sorted(available)[:12])}, ...")
+        raise ConfigError(
+            f"model.name={name!r} is not a torchvision classifier; e.g. one of {', '.join(sorted(available)[:12])}, ..."
+        )
     if in_channels != 3:
-        raise ConfigError(f"model=torchvision expects 3-channel images but the data has {in_channels}; "
-                          f"use model=resnet18 or model=tiny_cnn")
+        raise ConfigError(
+            f"model=torchvision expects 3-channel images but the data has {in_channels}; "
+            f"use model=resnet18 or model=tiny_cnn"
+        )
     return torchvision.models.get_model(name, num_classes=num_classes)
 
 
 class TinyCNN(nn.Module):
     """Two convolutions and a linear head: a second-scale model for tests."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16,
-                 batch_norm: bool = True):
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16, batch_norm: bool = True
+    ):
         super().__init__()
 
         def block(cin: int, cout: int, stride: int) -> nn.Sequential:
@@ -84,8 +94,9 @@ class TinyCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-def timm_classifier(name: str, num_classes: int, in_channels: int = 3, img_size: int | None = None,
-                    kwargs: Mapping | None = None) -> nn.Module:  # Mapping: a DictConfig passes src/schema.py
+def timm_classifier(
+    name: str, num_classes: int, in_channels: int = 3, img_size: int | None = None, kwargs: Mapping | None = None
+) -> nn.Module:  # Mapping: a DictConfig passes src/schema.py
     """Any timm model, randomly initialised (pretrained=False: nothing is downloaded). img_size is for the
     models that fix their input size (ViTs); kwargs go to timm.create_model (e.g. patch_size, drop_path_rate)."""
     try:
@@ -104,8 +115,10 @@ def timm_classifier(name: str, num_classes: int, in_channels: int = 3, img_size:
     extra = dict(kwargs or {})
     taken = sorted({"pretrained", "num_classes", "in_chans"} & extra.keys())
     if taken:
-        raise ConfigError(f"model.kwargs.{taken[0]} is set by ddplab (random init; classes and channels come "
-                          f"from the data); remove it")
+        raise ConfigError(
+            f"model.kwargs.{taken[0]} is set by ddplab (random init; classes and channels come "
+            f"from the data); remove it"
+        )
     if img_size is not None:
         extra["img_size"] = img_size
     try:

@@ -3,16 +3,18 @@
 One function, so that torch.compile turns the loss, its gradient and the step's metrics into a few
 fused kernels (and, with compile_mode=reduce-overhead, one more CUDA graph) instead of a dozen eager ones.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def loss_terms(logits: torch.Tensor, targets: torch.Tensor, scale: float,
-               label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_terms(
+    logits: torch.Tensor, targets: torch.Tensor, scale: float, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale x the summed cross-entropy: what the backward starts from,
-        float64 [summed cross-entropy, top-1 hits]: the metrics to add to the epoch's totals)."""
+    float64 [summed cross-entropy, top-1 hits]: the metrics to add to the epoch's totals)."""
     loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
     hits = (logits.detach().argmax(dim=1) == targets).sum()
     return loss_sum * scale, torch.stack([loss_sum.detach().double(), hits.double()])

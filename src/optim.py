@@ -1,4 +1,5 @@
 """The `optim/` and `scheduler/` groups. Schedules are stepped once per optimizer step."""
+
 from __future__ import annotations
 
 import math
@@ -54,13 +55,22 @@ class _OneCycle:
         return max(0.0, (self.total - step) / max(1, self.total - self.peak))
 
 
-def warmup_cosine(optimizer, total_steps: int, steps_per_epoch: int,
-                  warmup_epochs: Annotated[float, NonNegative] = 0, min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0):
+def warmup_cosine(
+    optimizer,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_epochs: Annotated[float, NonNegative] = 0,
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0,
+):
     return _lambda(optimizer, _Cosine(total_steps, int(warmup_epochs * steps_per_epoch), min_lr_ratio))
 
 
-def one_cycle(optimizer, total_steps: int, steps_per_epoch: int,
-              pct_start: Annotated[float, Range(0, 1, open_lo=True, open_hi=True)] = 0.25):
+def one_cycle(
+    optimizer,
+    total_steps: int,
+    steps_per_epoch: int,
+    pct_start: Annotated[float, Range(0, 1, open_lo=True, open_hi=True)] = 0.25,
+):
     return _lambda(optimizer, _OneCycle(total_steps, int(pct_start * total_steps)))
 
 

@@ -16,6 +16,7 @@ rows, an empty cell in results.csv, "—" in results.md and no error bar in resu
 
 Writes results.md, results.csv and results.png into the first sweep directory, or into --out.
 """
+
 import argparse
 import csv
 import glob
@@ -29,9 +30,23 @@ from pathlib import Path
 import yaml
 
 METRICS = ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec")
-OPTIONAL_METRICS = ("peak_mem_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")  # a column only when some job reports it
-FORMATS = {"test_loss": ".4f", "test_top1": ".2f", "test_top5": ".2f", "sec_per_epoch": ".3f",
-           "images_per_sec": ".1f", "peak_mem_gb": ".2f", "peak_host_mem_gb": ".2f", "tflops_per_gpu": ".1f", "mfu": ".3f"}
+OPTIONAL_METRICS = (
+    "peak_mem_gb",
+    "peak_host_mem_gb",
+    "tflops_per_gpu",
+    "mfu",
+)  # a column only when some job reports it
+FORMATS = {
+    "test_loss": ".4f",
+    "test_top1": ".2f",
+    "test_top5": ".2f",
+    "sec_per_epoch": ".3f",
+    "images_per_sec": ".1f",
+    "peak_mem_gb": ".2f",
+    "peak_host_mem_gb": ".2f",
+    "tflops_per_gpu": ".1f",
+    "mfu": ".3f",
+}
 # What a row was trained with beyond its overrides (an experiment= preset or a default sets these).
 SETTINGS = ("model", "world_size", "max_epochs", "optimizer", "scheduler")
 
@@ -54,10 +69,15 @@ def load_job(job_dir) -> dict:
     does not count (`problem`, None when it completed)."""
     job_dir = Path(job_dir)
     overrides = [str(o) for o in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []]
-    job = {"dir": job_dir, "sweep": str(job_dir.parent),
-           "overrides": tuple(sorted(o for o in overrides if not _is_seed(o))),
-           "seed": next((o.split("=", 1)[1] for o in overrides if _is_seed(o)), None),
-           "final": None, "problem": None, "settings": {}}
+    job = {
+        "dir": job_dir,
+        "sweep": str(job_dir.parent),
+        "overrides": tuple(sorted(o for o in overrides if not _is_seed(o))),
+        "seed": next((o.split("=", 1)[1] for o in overrides if _is_seed(o)), None),
+        "final": None,
+        "problem": None,
+        "settings": {},
+    }
     path = job_dir / "metrics.json"
     if not path.is_file():
         job["problem"] = "no metrics.json (crashed, killed or still running)"
@@ -97,10 +117,13 @@ def _settings(job_dir: Path, metrics: dict) -> dict:
     if choices.get("model"):
         name = section("model").get("name")  # model=torchvision: the name tells which
         model = f"{choices['model']}:{name}" if name else choices["model"]
-    return {"model": model, "world_size": hparams.get("world_size"),
-            "max_epochs": hparams.get("max_epochs", section("trainer").get("max_epochs")),
-            "optimizer": hparams.get("optim") or chosen("optim"),
-            "scheduler": hparams.get("scheduler") or chosen("scheduler")}
+    return {
+        "model": model,
+        "world_size": hparams.get("world_size"),
+        "max_epochs": hparams.get("max_epochs", section("trainer").get("max_epochs")),
+        "optimizer": hparams.get("optim") or chosen("optim"),
+        "scheduler": hparams.get("scheduler") or chosen("scheduler"),
+    }
 
 
 def failed_jobs(job_dirs) -> list:
@@ -128,12 +151,16 @@ def aggregate(job_dirs, by_sweep: bool = False) -> list:
         done = [j for j in jobs if j["problem"] is None]
         if not done:
             continue
-        row = {"config": ",".join(overrides), "overrides": overrides, "sweep": sweep,
-               "n": len(done), "n_failed": len(jobs) - len(done),
-               "seeds": sorted((j["seed"] for j in done if j["seed"] is not None), key=_natural)}
+        row = {
+            "config": ",".join(overrides),
+            "overrides": overrides,
+            "sweep": sweep,
+            "n": len(done),
+            "n_failed": len(jobs) - len(done),
+            "seeds": sorted((j["seed"] for j in done if j["seed"] is not None), key=_natural),
+        }
         for key in SETTINGS:
-            values = sorted({str(j["settings"][key]) for j in done if j["settings"].get(key) is not None},
-                            key=_natural)
+            values = sorted({str(j["settings"][key]) for j in done if j["settings"].get(key) is not None}, key=_natural)
             row[key] = "/".join(values) or None
         for m in METRICS + OPTIONAL_METRICS:
             values = [float(j["final"][m]) for j in done if j["final"].get(m) is not None]
@@ -147,8 +174,11 @@ def aggregate(job_dirs, by_sweep: bool = False) -> list:
 def _labels(rows) -> tuple:
     """Short row labels (overrides shared by every row left out) and the shared overrides."""
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
-    labels = [",".join(o for o in r["overrides"] if o not in common)
-              or ("(common overrides)" if r["overrides"] else "(no overrides)") for r in rows]
+    labels = [
+        ",".join(o for o in r["overrides"] if o not in common)
+        or ("(common overrides)" if r["overrides"] else "(no overrides)")
+        for r in rows
+    ]
     return labels, sorted(common)
 
 
@@ -197,8 +227,12 @@ def to_markdown(rows, failed, sweeps, by_sweep=False) -> str:
         lines.append("| " + " | ".join(cells + [_cell(row, m) for m in metrics]) + " |")
     if not rows:
         lines.append("| (no completed jobs) |" + " |" * (len(head) - 1))
-    lines += ["", "Cells are mean ± sample std (ddof=1) over seeds; std is — when n=1. "
-              "Failed or unfinished jobs are not averaged in.", ""]
+    lines += [
+        "",
+        "Cells are mean ± sample std (ddof=1) over seeds; std is — when n=1. "
+        "Failed or unfinished jobs are not averaged in.",
+        "",
+    ]
     lines.append(f"## Failed or unfinished jobs: {len(failed)}")
     lines += [f"- `{d}`: {reason}" for d, reason in failed]
     return "\n".join(lines) + "\n"
@@ -224,8 +258,10 @@ def make_figure(rows):
     labels = [f"{Path(r['sweep']).name}: {label}" if r["sweep"] else label for r, label in zip(rows, _labels(rows)[0])]
     fig = Figure(figsize=(12, 1.5 + 0.45 * max(len(rows), 1)), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    panels = (("test_top1", "test top-1 accuracy (%)", "tab:blue", True),
-              ("images_per_sec", "throughput (images/s)", "tab:orange", False))
+    panels = (
+        ("test_top1", "test top-1 accuracy (%)", "tab:blue", True),
+        ("images_per_sec", "throughput (images/s)", "tab:orange", False),
+    )
     for ax, (m, title, color, zoom) in zip(axes, panels):
         means = [math.nan if r[f"{m}_mean"] is None else r[f"{m}_mean"] for r in rows]
         stds = [math.nan if r[f"{m}_std"] is None else r[f"{m}_std"] for r in rows]  # nan: no error bar
@@ -235,9 +271,16 @@ def make_figure(rows):
         left = max(0.0, lo - 0.15 * (hi - lo or 1.0)) if zoom else 0.0  # differences of 0.1 % stay visible
         ax.set_xlim(left, max(hi, left + 1e-9))
         ax.barh(range(len(rows)), means, xerr=stds, capsize=4, color=color, alpha=0.5)
-        texts = [ax.annotate(f"{_cell(row, m)}  (n={row[f'{m}_n']})", (left if math.isnan(end) else end, y),
-                             xytext=(5, 0), textcoords="offset points", va="center")
-                 for y, (row, end) in enumerate(zip(rows, ends))]
+        texts = [
+            ax.annotate(
+                f"{_cell(row, m)}  (n={row[f'{m}_n']})",
+                (left if math.isnan(end) else end, y),
+                xytext=(5, 0),
+                textcoords="offset points",
+                va="center",
+            )
+            for y, (row, end) in enumerate(zip(rows, ends))
+        ]
         ax.set_title(title + ", mean ± std over seeds")
         ax.set_yticks(range(len(rows)), labels)
         ax.grid(axis="x", alpha=0.3)
@@ -295,8 +338,12 @@ def newest_sweep(root="multirun"):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.report", description=__doc__.split("\n")[0])
-    parser.add_argument("sweeps", nargs="*", help="sweep directories (multirun/<date>/<time>) or quoted globs; "
-                        "default: the newest sweep under multirun/ with results")
+    parser.add_argument(
+        "sweeps",
+        nargs="*",
+        help="sweep directories (multirun/<date>/<time>) or quoted globs; "
+        "default: the newest sweep under multirun/ with results",
+    )
     parser.add_argument("--out", help="directory for results.md/.csv/.png (default: the first sweep directory)")
     parser.add_argument("--by-sweep", action="store_true", help="keep the same configuration in different sweeps apart")
     args = parser.parse_args(argv)
@@ -304,8 +351,10 @@ def main(argv=None) -> int:
         if not args.sweeps:
             newest = newest_sweep()
             if newest is None:
-                raise ReportError("no sweep with results under multirun/ (no multirun/<date>/<time>/.../metrics.json);"
-                                  " pass a sweep directory")
+                raise ReportError(
+                    "no sweep with results under multirun/ (no multirun/<date>/<time>/.../metrics.json);"
+                    " pass a sweep directory"
+                )
             print(f"report: the newest sweep with results: {newest}", file=sys.stderr)
             args.sweeps = [str(newest)]
         sweeps = _sweep_dirs(args.sweeps)

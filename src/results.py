@@ -1,4 +1,5 @@
 """What a finished run reports: epoch summary, hyper-parameters, the final log line and metrics.json."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,11 @@ def summarize(history: list[dict]) -> dict:
     if not rows:
         return {}
     seconds = sum(r["epoch_sec"] for r in rows)
-    out = {"sec_per_epoch": seconds / len(rows),
-           "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
-           "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows)}
+    out = {
+        "sec_per_epoch": seconds / len(rows),
+        "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
+        "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows),
+    }
     for key in ("tflops_per_gpu", "mfu"):  # rates: time-weighted like images/s
         if all(key in r for r in rows):
             out[key] = sum(r[key] * r["epoch_sec"] for r in rows) / seconds
@@ -49,13 +52,28 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader: str, run_dir: Pat
     def chosen(group: str) -> str:
         return str(choices.get(group) or cfg[group].get("name") or cfg[group]._target_.rsplit(".", 1)[-1])
 
-    return {**strategy.hparams(cfg), "world_size": layout.world_size * layout.devices_per_process,
-            "processes": layout.world_size, "devices_per_process": layout.devices_per_process,
-            "global_batch": layout.global_batch, "per_device_batch": layout.per_device_batch, "amp": t.amp,
-            "amp_dtype": t.amp_dtype, "accumulate_grad_batches": layout.accumulate, "model": chosen("model"),
-            "data": cfg.data.name, "optim": chosen("optim"), "scheduler": chosen("scheduler"),
-            "max_epochs": t.max_epochs, "seed": cfg.seed, "lr": cfg.optim.lr, "loader": loader,
-            "compile": t.compile, "channels_last": t.channels_last, "threads": torch.get_num_threads()}
+    return {
+        **strategy.hparams(cfg),
+        "world_size": layout.world_size * layout.devices_per_process,
+        "processes": layout.world_size,
+        "devices_per_process": layout.devices_per_process,
+        "global_batch": layout.global_batch,
+        "per_device_batch": layout.per_device_batch,
+        "amp": t.amp,
+        "amp_dtype": t.amp_dtype,
+        "accumulate_grad_batches": layout.accumulate,
+        "model": chosen("model"),
+        "data": cfg.data.name,
+        "optim": chosen("optim"),
+        "scheduler": chosen("scheduler"),
+        "max_epochs": t.max_epochs,
+        "seed": cfg.seed,
+        "lr": cfg.optim.lr,
+        "loader": loader,
+        "compile": t.compile,
+        "channels_last": t.channels_last,
+        "threads": torch.get_num_threads(),
+    }
 
 
 PERF_KEYS = ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")
@@ -74,19 +92,32 @@ def efficiency_line(m: dict) -> str:
 
 
 def log_final(final: dict) -> None:
-    log.info("test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
-             "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
-             final["test_loss"], final["test_top1"], final["test_top5"], final["test_count"],
-             final["best_epoch"], final.get("sec_per_epoch", math.nan), final.get("images_per_sec", math.nan),
-             100 * final.get("data_wait_fraction", 0.0), final["params_in_sync"], final["bn_buffers_in_sync"])
+    log.info(
+        "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
+        "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
+        final["test_loss"],
+        final["test_top1"],
+        final["test_top5"],
+        final["test_count"],
+        final["best_epoch"],
+        final.get("sec_per_epoch", math.nan),
+        final.get("images_per_sec", math.nan),
+        100 * final.get("data_wait_fraction", 0.0),
+        final["params_in_sync"],
+        final["bn_buffers_in_sync"],
+    )
     if final.get("tflops_per_gpu") is not None:
         log.info("efficiency: %s", efficiency_line(final))
 
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -102,15 +133,31 @@ def _finite(obj):
     return obj
 
 
-def write_metrics(run_dir: Path, cfg: DictConfig, status: str, final: dict, history: list[dict],
-                  hparams: dict, device: torch.device, name: str = "metrics.json") -> None:
+def write_metrics(
+    run_dir: Path,
+    cfg: DictConfig,
+    status: str,
+    final: dict,
+    history: list[dict],
+    hparams: dict,
+    device: torch.device,
+    name: str = "metrics.json",
+) -> None:
     """metrics.json (eval.json for an evaluation), replaced atomically so a reader never sees half of it."""
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    metrics = {"status": status, "final": final, "epochs": history, "hparams": hparams, "overrides": overrides,
-               "config": OmegaConf.to_container(cfg, resolve=True), "torch_version": torch.__version__,
-               "device_name": device_name, "git_commit": _git_commit()}
+    metrics = {
+        "status": status,
+        "final": final,
+        "epochs": history,
+        "hparams": hparams,
+        "overrides": overrides,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "torch_version": torch.__version__,
+        "device_name": device_name,
+        "git_commit": _git_commit(),
+    }
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{name}.tmp"
     tmp.write_text(json.dumps(_finite(metrics), indent=2, default=str))
@@ -132,12 +179,24 @@ class Reporter:
 
     def epoch(self, row: dict) -> None:
         t = self.cfg.trainer
-        evaluated = "".join(f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
-                            for split in ("val", "test") if f"{split}_loss" in row)  # the splits this epoch has
+        evaluated = "".join(
+            f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
+            for split in ("val", "test")
+            if f"{split}_loss" in row
+        )  # the splits this epoch has
         precision = f"amp {t.amp_dtype}" if t.amp else "fp32"
-        log.info("epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s | %s", row["epoch"],
-                 t.max_epochs, row["train_loss"], row["train_top1"], evaluated, row["epoch_sec"],
-                 row["images_per_sec"], precision, efficiency_line(row))
+        log.info(
+            "epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s | %s",
+            row["epoch"],
+            t.max_epochs,
+            row["train_loss"],
+            row["train_top1"],
+            evaluated,
+            row["epoch_sec"],
+            row["images_per_sec"],
+            precision,
+            efficiency_line(row),
+        )
         scalars = {}
         for key, value in row.items():
             split, _, name = key.partition("_")
@@ -151,15 +210,22 @@ class Reporter:
 
     def final(self, final: dict, status: str, history: list[dict]) -> None:
         if status == "evaluated":  # the checkpoint's training figures are not this run's: evaluation only
-            log.info("evaluated %s: test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images) | val top-1 %.2f%%",
-                     self.cfg.ckpt_path, final["test_loss"], final["test_top1"], final["test_top5"],
-                     final["test_count"], final["val_top1"])
+            log.info(
+                "evaluated %s: test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images) | val top-1 %.2f%%",
+                self.cfg.ckpt_path,
+                final["test_loss"],
+                final["test_top1"],
+                final["test_top5"],
+                final["test_count"],
+                final["val_top1"],
+            )
             write_metrics(self.run_dir, self.cfg, status, final, [], self.hparams, self.device, name="eval.json")
             log.info("outputs: %s (eval.json)", self.run_dir)
             return
         log_final(final)
-        self.loggers.log_metrics({f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")},
-                                 step=len(history))
+        self.loggers.log_metrics(
+            {f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")}, step=len(history)
+        )
         self.loggers.log_hparams(self.hparams, final)
         write_metrics(self.run_dir, self.cfg, status, final, history, self.hparams, self.device)
         log.info("outputs: %s (metrics.json, checkpoints/, logs)", self.run_dir)

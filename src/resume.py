@@ -1,5 +1,6 @@
 """A re-run in an existing run directory is the same run: its checkpoint's config, changed only where
 the change cannot alter the result; an evaluation takes the checkpoint's model unless told otherwise."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,11 +13,30 @@ from src.schema import ConfigError
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
 # strategy and device count may change because the global batch, not the per-device one, defines the math.
 # Activation checkpointing recomputes the same numbers (and a checkpoint's names do not depend on it).
-MAY_CHANGE = ("strategy", "cluster", "paths", "logger", "hydra", "train", "ckpt_path", "trainer.devices",
-              "trainer.device", "trainer.progress_bar", "trainer.max_restarts", "trainer.resume", "trainer.threads",
-              "trainer.limit_eval_batches", "trainer.test_every_epoch", "trainer.activation_checkpointing",
-              "data.num_workers", "data.loader", "data.eval_batch_size", "data.root", "data.max_memory_gb",
-              "data.download")
+MAY_CHANGE = (
+    "strategy",
+    "cluster",
+    "paths",
+    "logger",
+    "hydra",
+    "train",
+    "ckpt_path",
+    "trainer.devices",
+    "trainer.device",
+    "trainer.progress_bar",
+    "trainer.max_restarts",
+    "trainer.resume",
+    "trainer.threads",
+    "trainer.limit_eval_batches",
+    "trainer.test_every_epoch",
+    "trainer.activation_checkpointing",
+    "data.num_workers",
+    "data.loader",
+    "data.eval_batch_size",
+    "data.root",
+    "data.max_memory_gb",
+    "data.download",
+)
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -59,8 +79,13 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
                 cfg.model = OmegaConf.create(saved["model"])
         return cfg
     resume = cfg.trainer.resume
-    path = find(Path(cfg.paths.output_dir) / "checkpoints", "last") if resume == "auto" else \
-        None if resume in (None, "none") else Path(resume)  # auto: last.pt or a sharded last/
+    path = (
+        find(Path(cfg.paths.output_dir) / "checkpoints", "last")
+        if resume == "auto"
+        else None
+        if resume in (None, "none")
+        else Path(resume)
+    )  # auto: last.pt or a sharded last/
     if path is None or not path.exists():
         return cfg
     saved = load(path).get("config")
@@ -77,8 +102,10 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
         else:
             kept[key] = before[key]
     if refused:
-        raise ConfigError(f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
-                          f"drop these overrides to continue it, or start a new run (another hydra.run.dir)")
+        raise ConfigError(
+            f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
+            f"drop these overrides to continue it, or start a new run (another hydra.run.dir)"
+        )
     if kept:
         merged = OmegaConf.to_container(cfg, resolve=True)
         for key, value in kept.items():

@@ -7,6 +7,7 @@ The kernel releases a flock when the process holding it dies (even by SIGKILL or
 never blocks its resume or a SLURM requeue. The file keeps the holder's pid for the error message; it is
 never deleted (unlinking a lock file lets two processes lock two different inodes).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -33,8 +34,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise ConfigError(f"{self.run_dir} is in use by another live run (pid {holder}); wait for it or use "
-                              f"another run directory") from None
+            raise ConfigError(
+                f"{self.run_dir} is in use by another live run (pid {holder}); wait for it or use another run directory"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

@@ -7,6 +7,7 @@ value is one `ConfigError` line naming the key, what it must be and what it got.
 A declaration is a type hint: `bool`, `int`, `float`, `str`, `Literal[...]`, `X | None`, `list[X]`,
 optionally wrapped in `Annotated[X, Range(...)]`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -32,8 +33,9 @@ class Range:
     open_hi: bool = False
 
     def holds(self, v) -> bool:
-        return ((self.lo is None or (v > self.lo if self.open_lo else v >= self.lo))
-                and (self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)))
+        return (self.lo is None or (v > self.lo if self.open_lo else v >= self.lo)) and (
+            self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)
+        )
 
     def __str__(self) -> str:
         if self.lo == 1 and self.hi is None and not self.open_lo:
@@ -43,10 +45,10 @@ class Range:
         return " and ".join(p for p in (lo, hi) if p)
 
 
-Positive = Range(1)             # integers >= 1
+Positive = Range(1)  # integers >= 1
 NonNegative = Range(0)
 PositiveReal = Range(0, open_lo=True)
-Fraction = Range(0, 1, open_hi=True)   # [0, 1)
+Fraction = Range(0, 1, open_hi=True)  # [0, 1)
 
 
 def _describe(hint) -> str:
@@ -63,8 +65,14 @@ def _describe(hint) -> str:
         return " or ".join("null" if a is type(None) else _describe(a) for a in args)
     if origin in (list, tuple):
         return f"a list of {_describe(args[0])}" if args else "a list"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            type(None): "null", Any: "anything"}.get(hint, getattr(hint, "__name__", str(hint)))
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        type(None): "null",
+        Any: "anything",
+    }.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def _fits(value, hint) -> bool:
@@ -78,8 +86,11 @@ def _fits(value, hint) -> bool:
     if origin in (Union, types.UnionType):
         return any(_fits(value, a) for a in args)
     if origin in (list, tuple):
-        return isinstance(value, (list, tuple, ListConfig)) and all(_fits(v, args[0]) for v in value) \
-            if args else isinstance(value, (list, tuple, ListConfig))
+        return (
+            isinstance(value, (list, tuple, ListConfig)) and all(_fits(v, args[0]) for v in value)
+            if args
+            else isinstance(value, (list, tuple, ListConfig))
+        )
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -104,12 +115,14 @@ def declared(obj) -> dict[str, Any]:
     target = obj.__init__ if inspect.isclass(obj) else obj
     hints = typing.get_type_hints(target, include_extras=True)
     params = inspect.signature(target).parameters
-    return {n: hints.get(n, Any) for n, p in params.items()
-            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {
+        n: hints.get(n, Any)
+        for n, p in params.items()
+        if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
 
 
-def check_section(cfg: DictConfig | None, prefix: str, spec, skip: tuple[str, ...] = (),
-                  strict: bool = True) -> None:
+def check_section(cfg: DictConfig | None, prefix: str, spec, skip: tuple[str, ...] = (), strict: bool = True) -> None:
     """Check every declared key of `cfg` (a config group) against `spec`; with strict, refuse keys the
     spec does not declare (a typo would otherwise be ignored, or fail later as a traceback)."""
     if cfg is None:
@@ -120,8 +133,10 @@ def check_section(cfg: DictConfig | None, prefix: str, spec, skip: tuple[str, ..
             continue
         if key not in options:
             if strict:
-                raise ConfigError(f"{prefix}.{key} is not an option of {prefix} "
-                                  f"({getattr(spec, '__name__', spec)}); choose among {', '.join(sorted(options))}")
+                raise ConfigError(
+                    f"{prefix}.{key} is not an option of {prefix} "
+                    f"({getattr(spec, '__name__', spec)}); choose among {', '.join(sorted(options))}"
+                )
             continue
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         if OmegaConf.is_missing(cfg, key):
@@ -143,6 +158,7 @@ def target_of(cfg: DictConfig, prefix: str):
 
 
 # --- the groups without a _target_ of their own -------------------------------------------------
+
 
 @dataclass
 class Trainer:
@@ -200,8 +216,9 @@ def check(cfg: DictConfig) -> None:
     if len(cfg.optim.get("betas", [0, 0])) != 2:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     for group in ("model", "scheduler", "strategy"):  # their _target_'s signature is their schema
-        check_section(cfg[group], group, target_of(cfg[group], group),
-                      skip=("_partial_", "name", "num_classes", "in_channels"))
+        check_section(
+            cfg[group], group, target_of(cfg[group], group), skip=("_partial_", "name", "num_classes", "in_channels")
+        )
     for name, options in (cfg.get("logger") or {}).items():
         check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
     from src.datasets import check_data_config

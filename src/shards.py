@@ -10,6 +10,7 @@ shards read a batch at once). Each rank reads only the samples of its own micro-
 label per sample, in ImageFolder order), `<split>-names.txt` (each sample's path in the folder, for error
 messages) and `meta.json` (classes, splits, options; written last, so its presence means a complete pack).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ class ShardImages(EncodedImages):
             try:
                 self._files = (os.getpid(), [os.open(self.root / name, os.O_RDONLY) for name in self.shards])
             except OSError as exc:
-                raise ConfigError(f"{self.root}: cannot open shard {exc.filename} ({exc.strerror}); "
-                                  f"pack the folder again (python -m src.shards pack)") from None
+                raise ConfigError(
+                    f"{self.root}: cannot open shard {exc.filename} ({exc.strerror}); "
+                    f"pack the folder again (python -m src.shards pack)"
+                ) from None
         return self._files[1]
 
     def _name(self, row: int) -> str:
@@ -72,20 +75,24 @@ class ShardImages(EncodedImages):
         fds, first = self._fds(), 0
         while first < len(order):
             last, stop = first, end[order[first]]
-            while (last + 1 < len(order) and shard[order[last + 1]] == shard[order[first]]
-                   and start[order[last + 1]] - stop <= MERGE_GAP):
+            while (
+                last + 1 < len(order)
+                and shard[order[last + 1]] == shard[order[first]]
+                and start[order[last + 1]] - stop <= MERGE_GAP
+            ):
                 last += 1
                 stop = max(stop, end[order[last]])
-            run = order[first:last + 1]
+            run = order[first : last + 1]
             base = start[order[first]]
             buffer = bytearray(int(stop - base))
             got = os.preadv(fds[shard[order[first]]], [buffer], int(base))
             for k in run.tolist():
                 if got < end[k] - base:
-                    out[k] = ConfigError(f"{self._name(int(rows[k]))}: the shard ends early (truncated?); "
-                                         f"pack the folder again")
+                    out[k] = ConfigError(
+                        f"{self._name(int(rows[k]))}: the shard ends early (truncated?); pack the folder again"
+                    )
                 else:
-                    out[k] = memoryview(buffer)[start[k] - base:end[k] - base]
+                    out[k] = memoryview(buffer)[start[k] - base : end[k] - base]
             first = last + 1
         return out
 
@@ -97,12 +104,15 @@ def load_shards(cfg: DictConfig) -> DataBundle:
     root = Path(str(cfg.root))
     meta = root / "meta.json"
     if not meta.is_file():
-        raise ConfigError(f"data.root: {root} holds no packed shards (no meta.json); write them with "
-                          f"python -m src.shards pack <imagefolder root> {root}")
+        raise ConfigError(
+            f"data.root: {root} holds no packed shards (no meta.json); write them with "
+            f"python -m src.shards pack <imagefolder root> {root}"
+        )
     info = json.loads(meta.read_text())
     if info.get("version") != VERSION:
-        raise ConfigError(f"{meta}: shard format version {info.get('version')}, this code reads {VERSION}; "
-                          f"pack the folder again")
+        raise ConfigError(
+            f"{meta}: shard format version {info.get('version')}, this code reads {VERSION}; pack the folder again"
+        )
     files = {name: ShardImages(root, name, split["shards"]) for name, split in info["splits"].items()}
     size = cfg.image_size
     if size:
@@ -113,6 +123,7 @@ def load_shards(cfg: DictConfig) -> DataBundle:
 
 
 # --- packing ----------------------------------------------------------------------------------------
+
 
 def _payload(job: tuple[str, int | None, int]) -> bytes:
     """The bytes to store for one file: as they are, or re-encoded as JPEG with the shorter side at most
@@ -136,8 +147,9 @@ def _payload(job: tuple[str, int | None, int]) -> bytes:
         raise unreadable(path, exc) from None
 
 
-def pack_split(folder: Path, out: Path, name: str, max_side: int | None, shard_bytes: int, quality: int,
-               workers: int) -> dict:
+def pack_split(
+    folder: Path, out: Path, name: str, max_side: int | None, shard_bytes: int, quality: int, workers: int
+) -> dict:
     """Write one split's shards, index and names; returns its meta.json entry."""
     from src.datasets import _image_folder
 
@@ -159,8 +171,13 @@ def pack_split(folder: Path, out: Path, name: str, max_side: int | None, shard_b
             written += len(data)
     if current is not None:
         current.close()
-    np.savez(out / f"{name}-index.npz", shard=np.array(shard, dtype=np.int32), offset=np.array(offset, dtype=np.int64),
-             length=np.array(length, dtype=np.int64), label=np.array(ds.targets, dtype=np.int64))
+    np.savez(
+        out / f"{name}-index.npz",
+        shard=np.array(shard, dtype=np.int32),
+        offset=np.array(offset, dtype=np.int64),
+        length=np.array(length, dtype=np.int64),
+        label=np.array(ds.targets, dtype=np.int64),
+    )
     (out / f"{name}-names.txt").write_text("".join(os.path.relpath(p, folder.parent) + "\n" for p, _ in ds.samples))
     return {"count": len(ds.samples), "shards": shards, "classes": ds.classes}
 
@@ -178,8 +195,14 @@ class _Serial:
         return map(fn, jobs)
 
 
-def pack(root: Path, out: Path, max_side: int | None = None, shard_size_mb: float = 256, quality: int = 90,
-         workers: int | None = None) -> dict:
+def pack(
+    root: Path,
+    out: Path,
+    max_side: int | None = None,
+    shard_size_mb: float = 256,
+    quality: int = 90,
+    workers: int | None = None,
+) -> dict:
     from src.datasets import _check_folder
 
     _check_folder(root)
@@ -189,14 +212,23 @@ def pack(root: Path, out: Path, max_side: int | None = None, shard_size_mb: floa
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} is not empty; pack into a new folder (or remove this one)")
     out.mkdir(parents=True, exist_ok=True)
-    entries = {name: pack_split(root / name, out, name, max_side, int(shard_size_mb * 2**20), quality,
-                                workers or os.cpu_count() or 1) for name in splits}
+    entries = {
+        name: pack_split(
+            root / name, out, name, max_side, int(shard_size_mb * 2**20), quality, workers or os.cpu_count() or 1
+        )
+        for name in splits
+    }
     classes = entries["train"].pop("classes")
     for name, entry in entries.items():
         if entry.pop("classes", classes) != classes:
             raise ConfigError(f"{root}/{name} has other class folders than train/; every split needs the same")
-    meta = {"version": VERSION, "source": str(root.resolve()), "classes": classes, "max_side": max_side,
-            "splits": entries}
+    meta = {
+        "version": VERSION,
+        "source": str(root.resolve()),
+        "classes": classes,
+        "max_side": max_side,
+        "splits": entries,
+    }
     (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(out / "meta.json.tmp", out / "meta.json")
     return meta

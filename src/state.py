@@ -1,4 +1,5 @@
 """What a run must remember to resume: its position, best epoch and history, and the checkpoints that hold them."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ log = logging.getLogger("ddplab")
 class Progress:
     """Where training stands; saved with every checkpoint."""
 
-    epoch: int = 0                 # the epoch to run next (or the one interrupted)
-    step: int = 0                  # optimizer steps of `epoch` already done (a mid-epoch checkpoint)
+    epoch: int = 0  # the epoch to run next (or the one interrupted)
+    step: int = 0  # optimizer steps of `epoch` already done (a mid-epoch checkpoint)
     partial_totals: torch.Tensor | None = None  # that epoch's loss sum / hits / samples so far, over all ranks
     best_val_top1: float = -math.inf
     best_epoch: int = 0
@@ -52,9 +53,11 @@ class Checkpoints:
         resume, last = self.cfg.trainer.resume, ckpt.find(self.dir, "last")
         if resume in (None, "none"):
             if last is not None:
-                raise ConfigError(f"{self.dir.parent} already holds a run (checkpoints/{last.name}) and "
-                                  f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run "
-                                  f"directory")
+                raise ConfigError(
+                    f"{self.dir.parent} already holds a run (checkpoints/{last.name}) and "
+                    f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run "
+                    f"directory"
+                )
             return None
         if resume == "auto":
             return last
@@ -63,12 +66,19 @@ class Checkpoints:
     def save(self, names: list[str], progress: Progress) -> list[Path]:
         """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). Returns the paths written."""
         totals = progress.partial_totals
-        state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                 "epoch": progress.epoch, "step": progress.step,
-                 "partial_totals": None if totals is None else totals.cpu(),
-                 "best_val_top1": progress.best_val_top1, "best_epoch": progress.best_epoch,
-                 "history": progress.history, "rng": ckpt.rng_state(), "strategy": self.strategy.name,
-                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        state = {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "partial_totals": None if totals is None else totals.cpu(),
+            "best_val_top1": progress.best_val_top1,
+            "best_epoch": progress.best_epoch,
+            "history": progress.history,
+            "rng": ckpt.rng_state(),
+            "strategy": self.strategy.name,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
         names = [name.removesuffix(".pt") for name in names]
         self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
         return [ckpt.find(self.dir, name) or self.dir / name for name in names]
@@ -83,8 +93,14 @@ class Checkpoints:
         ckpt.set_rng_state(state["rng"])
         if self.primary:
             log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
-        return Progress(state["epoch"], state["step"], state["partial_totals"], state["best_val_top1"],
-                        state["best_epoch"], state["history"])
+        return Progress(
+            state["epoch"],
+            state["step"],
+            state["partial_totals"],
+            state["best_val_top1"],
+            state["best_epoch"],
+            state["history"],
+        )
 
     def final_weights(self) -> Path:
         return ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last") or self.dir / "last.pt"

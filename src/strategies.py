@@ -10,6 +10,7 @@ Adding one: a subclass here (or in any importable module) and a YAML naming it (
 torch's state-dict helpers, which also drop the prefixes of compiled blocks (`_orig_mod.`) and of activation
 checkpointing: a checkpoint from any strategy, in either format (src/checkpoint.py), loads in any other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,9 +60,9 @@ class Strategy:
     sync_bn: bool = False
 
     name: ClassVar[str] = "single"
-    multiprocess: ClassVar[bool] = False       # one process per device (started by train.py or a launcher)
-    cuda_graphs: ClassVar[bool] = True          # trainer.compile_mode=reduce-overhead works
-    fused_optimizer: ClassVar[bool] = True      # the optimizer's fused CUDA kernels work on its parameters
+    multiprocess: ClassVar[bool] = False  # one process per device (started by train.py or a launcher)
+    cuda_graphs: ClassVar[bool] = True  # trainer.compile_mode=reduce-overhead works
+    fused_optimizer: ClassVar[bool] = True  # the optimizer's fused CUDA kernels work on its parameters
     channels_last_weights: ClassVar[bool] = True  # weights may be converted to channels_last
     cudnn_benchmark: ClassVar[bool] = True
     averages_gradients: ClassVar[bool] = False  # the sync divides by the world size (DDP's reducer, FSDP)
@@ -70,23 +71,31 @@ class Strategy:
     def check(self, cfg, device_type: str) -> None:
         """Options that do not fit this strategy, the trainer settings or the device type."""
         if self.sync_bn:
-            raise ConfigError(f"strategy.sync_bn=true works only with strategy=ddp (SyncBatchNorm needs "
-                              f"DistributedDataParallel), got strategy={self.name}; drop strategy.sync_bn")
+            raise ConfigError(
+                f"strategy.sync_bn=true works only with strategy=ddp (SyncBatchNorm needs "
+                f"DistributedDataParallel), got strategy={self.name}; drop strategy.sync_bn"
+            )
         t = cfg.trainer
         if t.compile_mode == "reduce-overhead" and not self.cuda_graphs:
-            raise ConfigError(f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or "
-                              f"ddp, not {self.name}; use trainer.compile_mode=default")
+            raise ConfigError(
+                f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or "
+                f"ddp, not {self.name}; use trainer.compile_mode=default"
+            )
 
-    def processes(self, requested, available: int, device_type: str, launched: int | None,
-                  launched_local: int | None) -> tuple[int, int]:
+    def processes(
+        self, requested, available: int, device_type: str, launched: int | None, launched_local: int | None
+    ) -> tuple[int, int]:
         """(processes, devices per process) for trainer.devices=`requested` on this machine, or a ConfigError.
         `launched`: the world size an external launcher (torchrun, SLURM) started, if any."""
         if launched not in (None, 1):
-            raise ConfigError(f"strategy={self.name} runs one process but the launcher started {launched}; "
-                              f"HINT: use strategy=ddp")
+            raise ConfigError(
+                f"strategy={self.name} runs one process but the launcher started {launched}; HINT: use strategy=ddp"
+            )
         if requested not in ("auto", 1):
-            raise ConfigError(f"strategy={self.name} uses one device, got trainer.devices={requested}; "
-                              f"HINT: use strategy=ddp or dp for several")
+            raise ConfigError(
+                f"strategy={self.name} uses one device, got trainer.devices={requested}; "
+                f"HINT: use strategy=ddp or dp for several"
+            )
         return 1, 1
 
     def preflight(self, cfg) -> None:
@@ -127,8 +136,9 @@ class Strategy:
         if optimizer is None:
             set_model_state_dict(self.core, model_state, options=options)
         else:
-            set_state_dict(self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=options)
+            set_state_dict(
+                self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
+            )
 
     def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
         """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
@@ -159,8 +169,9 @@ class Strategy:
         if optimizer is None:
             set_model_state_dict(self.core, tensors["model"])
         else:
-            set_state_dict(self.core, optimizer, model_state_dict=tensors["model"],
-                           optim_state_dict=tensors["optimizer"])
+            set_state_dict(
+                self.core, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"]
+            )
         return state
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -174,8 +185,10 @@ class Strategy:
             return {"params_in_sync": True, "bn_buffers_in_sync": True}
         from torch.distributed.tensor import DTensor
 
-        groups = {"params_in_sync": [p for p in self.core.parameters() if not isinstance(p, DTensor)],
-                  "bn_buffers_in_sync": [b for n, b in self.core.named_buffers() if "running_" in n]}
+        groups = {
+            "params_in_sync": [p for p in self.core.parameters() if not isinstance(p, DTensor)],
+            "bn_buffers_in_sync": [b for n, b in self.core.named_buffers() if "running_" in n],
+        }
         result = {}
         for key, tensors in groups.items():
             if not tensors:
@@ -206,11 +219,15 @@ class DataParallel(Strategy):
 
     def processes(self, requested, available, device_type, launched, launched_local):
         if device_type != "cuda":
-            raise ConfigError("strategy=dp (nn.DataParallel) needs CUDA GPUs and none is in use; "
-                              "HINT: use strategy=ddp trainer.devices=2 for multi-process training on CPU")
+            raise ConfigError(
+                "strategy=dp (nn.DataParallel) needs CUDA GPUs and none is in use; "
+                "HINT: use strategy=ddp trainer.devices=2 for multi-process training on CPU"
+            )
         if launched not in (None, 1):
-            raise ConfigError(f"strategy=dp runs one process but the launcher started {launched}; "
-                              f"HINT: use strategy=ddp, or launch 1 task")
+            raise ConfigError(
+                f"strategy=dp runs one process but the launcher started {launched}; "
+                f"HINT: use strategy=ddp, or launch 1 task"
+            )
         n = available if requested == "auto" else requested
         if n > available:
             raise ConfigError(f"trainer.devices={n} but only {available} GPU(s) are visible; lower trainer.devices")
@@ -234,20 +251,26 @@ class _Distributed(Strategy):
     def processes(self, requested, available, device_type, launched, launched_local):
         if launched is not None:
             if requested != "auto" and launched_local is not None and requested != launched_local:
-                raise ConfigError(f"trainer.devices={requested} disagrees with the launcher's {launched_local} "
-                                  f"processes on this node; set trainer.devices={launched_local} or trainer.devices=auto")
+                raise ConfigError(
+                    f"trainer.devices={requested} disagrees with the launcher's {launched_local} "
+                    f"processes on this node; set trainer.devices={launched_local} or trainer.devices=auto"
+                )
             world = launched
         else:
             if requested == "auto":  # every GPU; on a CPU-only machine, two gloo processes
                 requested = available if device_type == "cuda" else min(2, available)
             if requested > available:
-                raise ConfigError(f"trainer.devices={requested} but only {available} "
-                                  f"{'GPU' if device_type == 'cuda' else 'CPU core'}(s) are available; "
-                                  f"lower trainer.devices")
+                raise ConfigError(
+                    f"trainer.devices={requested} but only {available} "
+                    f"{'GPU' if device_type == 'cuda' else 'CPU core'}(s) are available; "
+                    f"lower trainer.devices"
+                )
             world = requested
         if world < 2:
-            raise ConfigError(f"strategy={self.name} with a single process; HINT: set trainer.devices=2 "
-                              f"(or more), or use strategy=single")
+            raise ConfigError(
+                f"strategy={self.name} with a single process; HINT: set trainer.devices=2 "
+                f"(or more), or use strategy=single"
+            )
         return world, 1
 
 
@@ -262,7 +285,7 @@ class DDP(_Distributed):
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
-    broadcast_buffers: bool = True   # false: each rank keeps its own BatchNorm running stats (they drift apart)
+    broadcast_buffers: bool = True  # false: each rank keeps its own BatchNorm running stats (they drift apart)
     comm_hook: Literal["none", "fp16", "bf16"] | None = "none"
     compile_scope: Literal["module", "wrapper"] = "module"
     gradient_sync: Literal["reducer", "after_backward", "auto"] = "auto"
@@ -271,8 +294,10 @@ class DDP(_Distributed):
 
     def check(self, cfg, device_type):
         if self.sync_bn and device_type != "cuda":
-            raise ConfigError("strategy.sync_bn=true needs CUDA GPUs (torch's SyncBatchNorm has no CPU "
-                              "kernel); drop it on CPU, or use model.batch_norm=false")
+            raise ConfigError(
+                "strategy.sync_bn=true needs CUDA GPUs (torch's SyncBatchNorm has no CPU "
+                "kernel); drop it on CPU, or use model.batch_norm=false"
+            )
         sync_bn, self.sync_bn = self.sync_bn, False  # allowed here, unlike the base class
         try:
             super().check(cfg, device_type)
@@ -308,12 +333,17 @@ class DDP(_Distributed):
         with warnings.catch_warnings():  # newer torch renames broadcast_buffers; keep the name 2.11 knows
             warnings.simplefilter("ignore", FutureWarning)
             self.wrapper = nn.parallel.DistributedDataParallel(
-                inner, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
-                static_graph=self.static_graph, find_unused_parameters=self.find_unused_parameters,
-                broadcast_buffers=self.broadcast_buffers)
+                inner,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                bucket_cap_mb=self.bucket_cap_mb,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+                static_graph=self.static_graph,
+                find_unused_parameters=self.find_unused_parameters,
+                broadcast_buffers=self.broadcast_buffers,
+            )
         if self.comm_hook in COMM_DTYPES:  # halve the bytes of the gradient all-reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
             self.wrapper.register_comm_hook(None, getattr(default_hooks, f"{self.comm_hook}_compress_hook"))
         self.model = ctx.compiled(self.wrapper) if self.compile_scope == "wrapper" else self.wrapper
         return self.model
@@ -398,13 +428,13 @@ class FSDP(_Distributed):
     reshard_after_forward: bool | Annotated[int, Positive] = True  # int n: regather from groups of n ranks
     prefetch: bool | Annotated[int, Positive] = True  # all-gather the next unit(s) early: true = 1, n = n ahead
     param_dtype: Literal["bf16", "fp32"] | None = None  # null: trainer.amp's dtype with amp, else fp32
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"       # of the gradient reduce-scatter
-    cpu_offload: bool = False           # sharded parameters, gradients and optimizer step on the CPU
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # of the gradient reduce-scatter
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer step on the CPU
     checkpoint_format: Literal["sharded", "full"] = "sharded"
 
     name: ClassVar[str] = "fsdp"
     cuda_graphs: ClassVar[bool] = False
-    fused_optimizer: ClassVar[bool] = False      # the fused kernels do not take DTensor parameters
+    fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters
     channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
     averages_gradients: ClassVar[bool] = True
 
@@ -413,9 +443,11 @@ class FSDP(_Distributed):
         group = self.reshard_after_forward
         if not isinstance(group, bool) and world % group:
             divisors = [str(d) for d in range(2, world) if world % d == 0]
-            raise ConfigError(f"strategy.reshard_after_forward={group} must divide the {world} ranks (the group "
-                              f"each parameter is regathered from in the backward); use "
-                              f"{', '.join(['true', 'false', *divisors])}")
+            raise ConfigError(
+                f"strategy.reshard_after_forward={group} must divide the {world} ranks (the group "
+                f"each parameter is regathered from in the backward); use "
+                f"{', '.join(['true', 'false', *divisors])}"
+            )
         return world, per_process
 
     def preflight(self, cfg):
@@ -441,19 +473,21 @@ class FSDP(_Distributed):
         if ctx.compile:  # one graph per block (repeated blocks share it); FSDP's hooks stay outside the graphs
             limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
             torch._dynamo.config.recompile_limit = max(limit, len(units))
-            units = [_replace(model, unit, torch.compile(unit, mode=ctx.compile_mode, dynamic=False))
-                     for unit in units]
-        options = {"mp_policy": self.mp_policy(ctx),
-                   "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if self.cpu_offload
-                   else OffloadPolicy()}
+            units = [_replace(model, unit, torch.compile(unit, mode=ctx.compile_mode, dynamic=False)) for unit in units]
+        options = {
+            "mp_policy": self.mp_policy(ctx),
+            "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+            if self.cpu_offload
+            else OffloadPolicy(),
+        }
         for unit in units:
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
         ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
         for i, unit in enumerate([model, *units][:-1] if ahead else []):  # forward: the root, then the units
-            unit.set_modules_to_forward_prefetch(units[i:i + ahead])
+            unit.set_modules_to_forward_prefetch(units[i : i + ahead])
         for i, unit in enumerate(units[1:] if ahead else [], start=1):  # backward: in reverse order
-            unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - ahead) : i][::-1])
         self.core = self.model = model
         self.eager = _Eager(model) if ctx.compile else model
         return self.model
@@ -512,8 +546,10 @@ def _composite(module: nn.Module) -> bool:
 
 def _stack(module: nn.Module) -> bool:
     """A Sequential/ModuleList/ModuleDict of several blocks: resnet's layerN, a transformer's blocks."""
-    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and \
-        sum(map(_composite, module.children())) > 1
+    return (
+        isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+        and sum(map(_composite, module.children())) > 1
+    )
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
@@ -541,8 +577,10 @@ def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
         targets = _outermost(model, lambda m: type(m).__name__ in names)
         if not targets:
             found = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"strategy.shard_modules={sorted(names)} matches no module of the model; "
-                              f"choose among {found[:15]} or use auto")
+            raise ConfigError(
+                f"strategy.shard_modules={sorted(names)} matches no module of the model; "
+                f"choose among {found[:15]} or use auto"
+            )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     # a block under activation checkpointing is sharded and compiled together with its wrapper
@@ -577,8 +615,10 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module] | N
 
     blocks = shard_targets(model, "auto") if blocks is None else blocks
     if not blocks:
-        raise ConfigError(f"trainer.activation_checkpointing=true finds no block in {type(model).__name__} to "
-                          f"recompute (a child with layers inside); set trainer.activation_checkpointing=false")
+        raise ConfigError(
+            f"trainer.activation_checkpointing=true finds no block in {type(model).__name__} to "
+            f"recompute (a child with layers inside); set trainer.activation_checkpointing=false"
+        )
     for block in blocks:
         _replace(model, block, checkpoint_wrapper(block, checkpoint_fn=_checkpoint))
 
@@ -591,8 +631,13 @@ def _checkpoint(module: nn.Module, *args, **kwargs):
 
     if torch.compiler.is_compiling() or not any(True for _ in module.buffers()):
         return checkpoint(module, *args, use_reentrant=False, **kwargs)
-    return checkpoint(module, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)), **kwargs)
+    return checkpoint(
+        module,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)),
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager

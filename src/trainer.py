@@ -1,4 +1,5 @@
 """`train(cfg) -> metrics`: the training loop every strategy and launcher shares."""
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,7 @@ class Diverged(RuntimeError):
 def prepare_run(cfg: DictConfig) -> Trainer:
     """This rank's run: its layout validated, the process group joined (nothing built yet)."""
     env = rank_env()
-    layout = plan_layout(cfg, env.world_size if env.external else None,
-                         env.local_world_size if env.external else None)
+    layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
     # declared threads per process, so single vs ddp on a CPU compares the same cores
     threads = cfg.trainer.threads
     torch.set_num_threads(threads if threads != "auto" else max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -86,34 +86,43 @@ class Trainer:
             torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
         self.data = load_data(cfg.data)
         if t.tta_shift >= min(self.data.image_size):
-            raise ConfigError(f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
-                              f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0")
+            raise ConfigError(
+                f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
+                f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0"
+            )
         model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
         self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
             model = model.to(memory_format=torch.channels_last)
         if t.activation_checkpointing:  # before wrap: FSDP shards and compiles each checkpointed block whole
             apply_activation_checkpointing(model, self.strategy.blocks(model))
-        self.model = self.strategy.wrap(model, Context(self.device, t.amp, self.amp_dtype,
-                                                       self.layout.devices_per_process, t.compile, t.compile_mode))
+        self.model = self.strategy.wrap(
+            model,
+            Context(self.device, t.amp, self.amp_dtype, self.layout.devices_per_process, t.compile, t.compile_mode),
+        )
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
         # every strategy and accumulation gets the gradient of the mean loss over the global batch
         self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
         self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
-        self.optimizer = build_optimizer(cfg.optim, self.strategy.core,
-                                         fused=self.device.type == "cuda" and self.strategy.fused_optimizer)
+        self.optimizer = build_optimizer(
+            cfg.optim, self.strategy.core, fused=self.device.type == "cuda" and self.strategy.fused_optimizer
+        )
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))
         if cfg.train and not self.steps_per_epoch:
-            raise ConfigError(f"data.batch_size={self.layout.global_batch} leaves 0 training steps per epoch for "
-                              f"{len(self.data.train)} training images; lower data.batch_size")
+            raise ConfigError(
+                f"data.batch_size={self.layout.global_batch} leaves 0 training steps per epoch for "
+                f"{len(self.data.train)} training images; lower data.batch_size"
+            )
         self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
-        self.scheduler = instantiate(cfg.scheduler)(self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs,
-                                                    steps_per_epoch=self.steps_per_epoch)
+        self.scheduler = instantiate(cfg.scheduler)(
+            self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
-        self.checkpoints = Checkpoints(self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler,
-                                       self.primary)
+        self.checkpoints = Checkpoints(
+            self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler, self.primary
+        )
         self.progress = Progress()
         if self.primary:
             self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader.name, self.device)
@@ -140,8 +149,16 @@ class Trainer:
         if self._last_plan and self._last_plan[0] == epoch:
             return self._last_plan[1]
         # with torch.compile a short last batch would trigger a recompile: drop it
-        steps = plan_epoch(len(self.data.train), self.layout.global_batch, self.layout.world_size, self.env.rank,
-                           self.layout.accumulate, self.cfg.seed, epoch, drop_last=self.t.compile)
+        steps = plan_epoch(
+            len(self.data.train),
+            self.layout.global_batch,
+            self.layout.world_size,
+            self.env.rank,
+            self.layout.accumulate,
+            self.cfg.seed,
+            epoch,
+            drop_last=self.t.compile,
+        )
         limit = self.t.limit_train_batches
         self._last_plan = (epoch, steps[:limit] if limit else steps)
         return self._last_plan[1]
@@ -151,8 +168,14 @@ class Trainer:
         if self.t.limit_eval_batches:
             ids = ids[: self.t.limit_eval_batches * self.cfg.data.eval_batch_size]
         batches = self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size)
-        return evaluate(self.strategy.eval_module(), batches, self.device, self.autocast, flip_tta=self.t.flip_tta,
-                        tta_shift=self.t.tta_shift)
+        return evaluate(
+            self.strategy.eval_module(),
+            batches,
+            self.device,
+            self.autocast,
+            flip_tta=self.t.flip_tta,
+            tta_shift=self.t.tta_shift,
+        )
 
     # --- the loop ---------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, stop: StopRequest) -> dict:
@@ -161,8 +184,14 @@ class Trainer:
         first = p.step if epoch == p.epoch else 0
         meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
         reset_peak(self.device)
-        bar = tqdm(total=len(steps), initial=first, desc=f"epoch {epoch + 1}/{self.t.max_epochs}", leave=False,
-                   dynamic_ncols=True, disable=not (self.primary and self.t.progress_bar))
+        bar = tqdm(
+            total=len(steps),
+            initial=first,
+            desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not (self.primary and self.t.progress_bar),
+        )
         self.model.train()
         batches, step = self.loader.train_batches(steps[first:], epoch), first
         while (micro := meter.next(batches)) is not None:
@@ -170,8 +199,9 @@ class Trainer:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.strategy.sync_context(micro.boundary), self.autocast():
                 # sum / (samples of the whole step), x world where the strategy averages over ranks
-                loss, metrics = self.loss_terms(self.model(micro.x), micro.y, self.rank_factor / micro.global_count,
-                                                self.t.label_smoothing)
+                loss, metrics = self.loss_terms(
+                    self.model(micro.x), micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing
+                )
             self.scaler.scale(loss).backward()
             meter.add(metrics, len(micro.y))
             if not micro.boundary:
@@ -204,8 +234,15 @@ class Trainer:
         self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
         saved = self.checkpoints.save(["last"], self.progress)[0]
         if self.primary:
-            log.warning("signal %s: saved %s in %s at epoch %d step %d; resume with: python train.py hydra.run.dir=%s",
-                        stop.signum, saved.relative_to(self.run_dir), self.run_dir, epoch + 1, step, self.run_dir)
+            log.warning(
+                "signal %s: saved %s in %s at epoch %d step %d; resume with: python train.py hydra.run.dir=%s",
+                stop.signum,
+                saved.relative_to(self.run_dir),
+                self.run_dir,
+                epoch + 1,
+                step,
+                self.run_dir,
+            )
         stop.hand_over()
 
     def fit(self) -> None:
@@ -219,8 +256,10 @@ class Trainer:
                         row.update({f"{split}_{k}": v for k, v in self.evaluate(split).items() if k != "count"})
                 bad = [k for k in ("train_loss", "val_loss", "test_loss") if not math.isfinite(row.get(k, 0.0))]
                 if bad:  # NaN/inf weights or logits: every later number would be meaningless
-                    raise Diverged(f"the {bad[0].replace('_', ' ')} is {row[bad[0]]} in epoch {epoch + 1}; lower "
-                                   f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch")
+                    raise Diverged(
+                        f"the {bad[0].replace('_', ' ')} is {row[bad[0]]} in epoch {epoch + 1}; lower "
+                        f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch"
+                    )
                 is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
                 self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
                 if self.primary:
@@ -230,11 +269,20 @@ class Trainer:
 
     def execute(self) -> dict:
         self.build()
-        l = self.layout
+        lay = self.layout
         if self.primary and self.cfg.train:
-            log.info("strategy=%s world_size=%d device=%s | global batch %d = %d per device x %d devices x %d "
-                     "accumulation | %d steps/epoch", l.strategy, l.world_size, self.device.type, l.global_batch,
-                     l.per_device_batch, l.world_size * l.devices_per_process, l.accumulate, self.steps_per_epoch)
+            log.info(
+                "strategy=%s world_size=%d device=%s | global batch %d = %d per device x %d devices x %d "
+                "accumulation | %d steps/epoch",
+                lay.strategy,
+                lay.world_size,
+                self.device.type,
+                lay.global_batch,
+                lay.per_device_batch,
+                lay.world_size * lay.devices_per_process,
+                lay.accumulate,
+                self.steps_per_epoch,
+            )
         if self.cfg.train:
             path = self.checkpoints.resume_path()
             if path is not None:
@@ -262,10 +310,19 @@ class Trainer:
             in_sync = self.strategy.replicas_agree(self.device)
         val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
         test = self.evaluate("test")
-        final = {"test_loss": test["loss"], "test_top1": test["top1"], "test_top5": test["top5"],
-                 "test_count": test["count"], "val_loss": val["loss"], "val_top1": val["top1"],
-                 "val_top5": val["top5"], "best_val_top1": val["top1"], "best_epoch": self.progress.best_epoch,
-                 **Reporter.summarize(self.progress.history), **in_sync}
+        final = {
+            "test_loss": test["loss"],
+            "test_top1": test["top1"],
+            "test_top5": test["top5"],
+            "test_count": test["count"],
+            "val_loss": val["loss"],
+            "val_top1": val["top1"],
+            "val_top5": val["top5"],
+            "best_val_top1": val["top1"],
+            "best_epoch": self.progress.best_epoch,
+            **Reporter.summarize(self.progress.history),
+            **in_sync,
+        }
         if self.primary:
             self.reporter.final(final, status, self.progress.history)
         return final

@@ -1,4 +1,5 @@
 """Shared fixtures: compose the real config and shrink it (tiny model, few batches, CPU, tmp dirs)."""
+
 from __future__ import annotations
 
 import json
@@ -22,26 +23,35 @@ CIFAR_JPEG_ZIP = ROOT.parent / "shared" / "datasets" / "cifar10-jpeg.zip"
 def make_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config with the test shrink applied, writing into tmp_path."""
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["debug=fast", f"paths.root_dir={ROOT}",
-                                          f"paths.data_dir={tmp_path}/data", *overrides])
+        cfg = compose(
+            "train", overrides=["debug=fast", f"paths.root_dir={ROOT}", f"paths.data_dir={tmp_path}/data", *overrides]
+        )
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "run")
     return cfg
 
 
-def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 300, env: dict | None = None,
-            command: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path = ROOT, timeout: int = 300, env: dict | None = None, command: list[str] | None = None
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([*(command or [sys.executable, str(ROOT / "train.py")]), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(
+        [*(command or [sys.executable, str(ROOT / "train.py")]), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
 
 
 def read_metrics(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
-def assert_compiled_loader_augments_like_eager(data, device: torch.device, batch: int, seed: int, epoch: int,
-                                               cutout: int, pad_mode: str = "zeros") -> None:
+def assert_compiled_loader_augments_like_eager(
+    data, device: torch.device, batch: int, seed: int, epoch: int, cutout: int, pad_mode: str = "zeros"
+) -> None:
     """The gpu loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
     (the classic path's arithmetic), bit for bit, in channels_last layout."""
     from src.loaders import DeviceLoader, plan_epoch

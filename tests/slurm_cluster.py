@@ -17,6 +17,7 @@ Needs root (slurmd launches job steps; node names are added to /etc/hosts) and t
 installed by ``.ci/install_slurm.sh``. Clients (sbatch, srun, sacct, submitit) need ``env()``
 (``SLURM_CONF``) in their environment.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,10 +31,35 @@ import time
 from pathlib import Path
 
 NODES = (("node1", "127.0.0.11"), ("node2", "127.0.0.12"))
-TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                   "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-_BINARIES = ("munged", "munge", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
-             "slurmd", "sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "sacctmgr", "scancel")
+TERMINAL_STATES = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+_BINARIES = (
+    "munged",
+    "munge",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "slurmdbd",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "sacct",
+    "scontrol",
+    "sinfo",
+    "sacctmgr",
+    "scancel",
+)
 _SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 
 
@@ -54,7 +80,7 @@ def slurm_available() -> tuple[bool, str]:
 def _die_with_parent() -> None:
     """preexec_fn: SIGTERM the daemon if the process that started it dies (e.g. a killed pytest)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -83,8 +109,16 @@ class SlurmClusterError(RuntimeError):
 
 
 class SlurmCluster:
-    def __init__(self, workdir, cluster_name: str = "ddplab", nodes=NODES, cpus_per_node: int = 4,
-                 real_memory_mb: int = 16000, partition: str = "debug", uts_namespaces: bool = True):
+    def __init__(
+        self,
+        workdir,
+        cluster_name: str = "ddplab",
+        nodes=NODES,
+        cpus_per_node: int = 4,
+        real_memory_mb: int = 16000,
+        partition: str = "debug",
+        uts_namespaces: bool = True,
+    ):
         self.workdir = Path(workdir).resolve()
         self.cluster_name = cluster_name
         self.nodes = tuple(nodes)
@@ -92,8 +126,8 @@ class SlurmCluster:
         self.real_memory_mb = real_memory_mb
         self.partition = partition
         self.uts_namespaces = uts_namespaces
-        self.procs: dict[str, subprocess.Popen] = {}   # name -> daemon (started in this order)
-        self.logs: dict[str, Path] = {}                 # name -> log file shown on errors
+        self.procs: dict[str, subprocess.Popen] = {}  # name -> daemon (started in this order)
+        self.logs: dict[str, Path] = {}  # name -> log file shown on errors
         d = self.workdir
         self.conf = d / "etc" / "slurm.conf"
         self.munge_socket = d / "munge" / "munge.sock"
@@ -134,7 +168,7 @@ class SlurmCluster:
         states = {}
         for line in out.splitlines():
             jid, _, state = line.partition("|")
-            states[jid] = state.split()[0] if state else ""   # "CANCELLED by 0" -> "CANCELLED"
+            states[jid] = state.split()[0] if state else ""  # "CANCELLED by 0" -> "CANCELLED"
         return states
 
     def wait_job(self, job_id: str, timeout: float = 60, states=TERMINAL_STATES) -> str:
@@ -145,17 +179,19 @@ class SlurmCluster:
             if last in states:
                 return last
             time.sleep(0.3)
-        raise SlurmClusterError(f"job {job_id} not in {sorted(states)} after {timeout}s (sacct: {last}, "
-                                f"squeue: {self.squeue(job_id)})\n{self._log_tails('slurmctld')}")
+        raise SlurmClusterError(
+            f"job {job_id} not in {sorted(states)} after {timeout}s (sacct: {last}, "
+            f"squeue: {self.squeue(job_id)})\n{self._log_tails('slurmctld')}"
+        )
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         ok, reason = slurm_available()
         if not ok:
             raise SlurmClusterError(reason)
         deadline = time.monotonic() + timeout
         if self.uts_namespaces and not _can_unshare_uts():
-            self.uts_namespaces = False     # e.g. docker without CAP_SYS_ADMIN: nodes keep this host's name
+            self.uts_namespaces = False  # e.g. docker without CAP_SYS_ADMIN: nodes keep this host's name
         try:
             self._prepare()
             self._start_munge(deadline)
@@ -212,7 +248,7 @@ class SlurmCluster:
             (d / sub).mkdir(parents=True, exist_ok=True)
         for name, _ in self.nodes:
             (d / "spool" / name).mkdir(parents=True, exist_ok=True)
-        (d / "munge").chmod(0o755)          # munged insists the socket dir is world-executable
+        (d / "munge").chmod(0o755)  # munged insists the socket dir is world-executable
         self._add_hosts()
         self.ctld_port, self.dbd_port = _free_port(), _free_port()
         self.node_ports = {name: _free_port() for name, _ in self.nodes}
@@ -220,7 +256,9 @@ class SlurmCluster:
         auth = f"AuthType=auth/munge\nAuthInfo=socket={self.munge_socket}\n"
         nodes = "\n".join(
             f"NodeName={n} NodeAddr={a} NodeHostname={n} Port={self.node_ports[n]} CPUs={self.cpus_per_node} "
-            f"RealMemory={self.real_memory_mb} State=UNKNOWN" for n, a in self.nodes)
+            f"RealMemory={self.real_memory_mb} State=UNKNOWN"
+            for n, a in self.nodes
+        )
         self.conf.write_text(f"""\
 ClusterName={self.cluster_name}
 SlurmctldHost={host}(127.0.0.1)
@@ -273,7 +311,7 @@ StorageHost=localhost
 StorageUser=root
 StorageLoc=slurm_acct_db
 """)
-        dbd.chmod(0o600)                    # slurmdbd refuses a config readable by others
+        dbd.chmod(0o600)  # slurmdbd refuses a config readable by others
 
     def _add_hosts(self) -> None:
         """Node names must resolve to their NodeAddr (srun, DDP MASTER_ADDR). Idempotent; left in place."""
@@ -294,36 +332,82 @@ StorageLoc=slurm_acct_db
         (self.workdir / "munge" / "key").chmod(0o700)
         m = self.workdir / "munge"
         # --force: pytest's tmp dirs are 0700, which munged would otherwise reject for the socket path
-        self._spawn("munged", [_which("munged"), "-F", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-                               f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed",
-                               f"--log-file={m}/munged.log"], m / "munged.log")
-        self._wait("munged", deadline, lambda: subprocess.run(
-            [_which("munge"), "-n", "-S", str(self.munge_socket)], capture_output=True).returncode == 0)
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "-F",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={m}/munged.pid",
+                f"--seed-file={m}/munged.seed",
+                f"--log-file={m}/munged.log",
+            ],
+            m / "munged.log",
+        )
+        self._wait(
+            "munged",
+            deadline,
+            lambda: (
+                subprocess.run([_which("munge"), "-n", "-S", str(self.munge_socket)], capture_output=True).returncode
+                == 0
+            ),
+        )
 
     def _start_mariadb(self, deadline: float) -> None:
         m = self.workdir / "mysql"
         common = ["--no-defaults", f"--datadir={m}/data", "--user=root", "--innodb-log-file-size=8M"]
         if not (m / "data" / "mysql").exists():
-            p = subprocess.run([_which("mariadb-install-db"), *common, "--auth-root-authentication-method=socket",
-                                "--skip-test-db"],
-                               capture_output=True, text=True, timeout=max(5, deadline - time.monotonic()))
+            p = subprocess.run(
+                [_which("mariadb-install-db"), *common, "--auth-root-authentication-method=socket", "--skip-test-db"],
+                capture_output=True,
+                text=True,
+                timeout=max(5, deadline - time.monotonic()),
+            )
             if p.returncode:
                 raise SlurmClusterError(f"mariadb-install-db failed:\n{p.stdout}{p.stderr}")
-        self._spawn("mariadbd", [_which("mariadbd"), *common, f"--socket={self.mysql_socket}", "--skip-networking",
-                                 f"--pid-file={m}/mariadbd.pid", f"--log-error={m}/error.log",
-                                 "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900"], m / "error.log")
-        self._wait("mariadbd", deadline, lambda: subprocess.run(
-            [_which("mariadb"), "--no-defaults", "-S", str(self.mysql_socket), "-u", "root", "-e", "select 1"],
-            capture_output=True).returncode == 0)
+        self._spawn(
+            "mariadbd",
+            [
+                _which("mariadbd"),
+                *common,
+                f"--socket={self.mysql_socket}",
+                "--skip-networking",
+                f"--pid-file={m}/mariadbd.pid",
+                f"--log-error={m}/error.log",
+                "--innodb-buffer-pool-size=64M",
+                "--innodb-lock-wait-timeout=900",
+            ],
+            m / "error.log",
+        )
+        self._wait(
+            "mariadbd",
+            deadline,
+            lambda: (
+                subprocess.run(
+                    [_which("mariadb"), "--no-defaults", "-S", str(self.mysql_socket), "-u", "root", "-e", "select 1"],
+                    capture_output=True,
+                ).returncode
+                == 0
+            ),
+        )
 
     def _spawn(self, name: str, cmd: list, log: Path) -> None:
         env = self.client_env()
-        env["MYSQL_UNIX_PORT"] = str(self.mysql_socket)    # slurmdbd's libmariadb: StorageHost=localhost -> socket
+        env["MYSQL_UNIX_PORT"] = str(self.mysql_socket)  # slurmdbd's libmariadb: StorageHost=localhost -> socket
         out = open(self.workdir / "log" / f"{name}.stdout", "ab")
         try:
-            self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                env=env, cwd=self.workdir, start_new_session=True,
-                                                preexec_fn=_die_with_parent)
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.workdir,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             out.close()
         self.logs[name] = log
@@ -333,8 +417,9 @@ StorageLoc=slurm_acct_db
         while True:
             dead = [n for n in names if self.procs[n].poll() is not None]
             if dead:
-                raise SlurmClusterError(f"{dead[0]} exited with {self.procs[dead[0]].returncode} during start\n"
-                                        + self._log_tails(dead[0]))
+                raise SlurmClusterError(
+                    f"{dead[0]} exited with {self.procs[dead[0]].returncode} during start\n" + self._log_tails(dead[0])
+                )
             try:
                 if ready():
                     return

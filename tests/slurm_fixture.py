@@ -2,6 +2,7 @@
 
 tests/conftest.py:  from tests.slurm_fixture import slurm_cluster, slurm_env  # noqa: F401
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ def slurm_cluster(tmp_path_factory):
     if not ok:
         pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("slurm")
-    if len(str(workdir)) > 60:   # unix socket paths (munge, mysql) must stay < 108 bytes
+    if len(str(workdir)) > 60:  # unix socket paths (munge, mysql) must stay < 108 bytes
         workdir = tempfile.mkdtemp(prefix="ddplab-slurm-")
     cluster = SlurmCluster(workdir)
     cluster.start(timeout=60)

@@ -1,4 +1,5 @@
 """bench/bench.py: the CPU smoke mode runs every configuration, and its ratios are the JSON's own numbers."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,22 @@ def test_list_and_only_select_configurations():
     proc = bench("--smoke", "--list")
     assert proc.returncode == 0 and set(proc.stdout.split()) == SMOKE_RUNS
     proc = bench("--list", "--only", "ceiling-*,ddp2-*", "--workers", "4,8", "--compile", "both")
-    ceilings = ["ceiling-fp32", "ceiling-bf16", "ceiling-bf16-cl", "ceiling-bf16-cl-compile",
-                "ceiling-bf16-cl-cudagraphs"]
-    assert proc.stdout.split() == [*ceilings, "ddp2-gpu", "ddp2-classic4", "ddp2-classic8",
-                                   "ddp2-gpu-eager", "ddp2-classic4-eager", "ddp2-classic8-eager"]
+    ceilings = [
+        "ceiling-fp32",
+        "ceiling-bf16",
+        "ceiling-bf16-cl",
+        "ceiling-bf16-cl-compile",
+        "ceiling-bf16-cl-cudagraphs",
+    ]
+    assert proc.stdout.split() == [
+        *ceilings,
+        "ddp2-gpu",
+        "ddp2-classic4",
+        "ddp2-classic8",
+        "ddp2-gpu-eager",
+        "ddp2-classic4-eager",
+        "ddp2-classic8-eager",
+    ]
     assert bench("--list", "--gpus", "1").stdout.split() == [*ceilings, "single1-gpu", "single1-classic8"]
     assert bench("--list", "--gpus", "8", "--only", "ddp*-gpu").stdout.split() == ["ddp2-gpu", "ddp4-gpu", "ddp8-gpu"]
     assert bench("--only", "nothing*").returncode == 2
@@ -79,8 +92,9 @@ def test_merge_recomputes_ratios_from_split_files(smoke, tmp_path):
     parts = []
     for i, keep in enumerate((lambda n: n.startswith("ddp2"), lambda n: not n.startswith("ddp2"))):
         part = tmp_path / f"part{i}.json"
-        part.write_text(json.dumps({**report, "runs": {n: r for n, r in report["runs"].items() if keep(n)},
-                                    "ratios": []}))
+        part.write_text(
+            json.dumps({**report, "runs": {n: r for n, r in report["runs"].items() if keep(n)}, "ratios": []})
+        )
         parts.append(str(part))
     proc = bench("--merge", *parts, "--out", str(tmp_path / "merged.json"), timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -92,8 +106,9 @@ def test_merge_recomputes_ratios_from_split_files(smoke, tmp_path):
 @pytest.mark.slow
 def test_override_reaches_every_loop_run(tmp_path):
     out = tmp_path / "o.json"
-    proc = bench("--smoke", "--only", "ddp2-gpu", "--override", "strategy.gradient_sync=after_backward",
-                 "--out", str(out))
+    proc = bench(
+        "--smoke", "--only", "ddp2-gpu", "--override", "strategy.gradient_sync=after_backward", "--out", str(out)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["ddp2-gpu"]
     assert "strategy.gradient_sync=after_backward" in run["overrides"]

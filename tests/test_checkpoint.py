@@ -8,6 +8,7 @@ subprocess so the limit does not outlive the test) and an object that cannot be 
 Also the run-directory lock (src/runlock.py) that keeps a second live run from writing the same checkpoints:
 a live holder in another process blocks with its pid named, a SIGKILLed one does not.
 """
+
 import os
 import signal
 import subprocess
@@ -44,8 +45,9 @@ def test_directory_under_a_file_is_a_one_line_error(tmp_path):
     path = tmp_path / "plain_file" / "checkpoints" / "last.pt"
     with pytest.raises(ConfigError) as err:
         ckpt.save_atomic(big_state(1.0), path)
-    assert str(err.value) == (f"cannot write checkpoint {path}: Not a directory; free space or set "
-                              f"hydra.run.dir elsewhere")
+    assert str(err.value) == (
+        f"cannot write checkpoint {path}: Not a directory; free space or set hydra.run.dir elsewhere"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["plain_file"]
 
 
@@ -64,8 +66,10 @@ def test_full_disk_is_a_one_line_error(tmp_path):
     (tmp_path / f".last.pt.tmp{os.getpid()}").symlink_to("/dev/full")  # the temp name save_atomic picks
     with pytest.raises(ConfigError) as err:
         ckpt.save_atomic(big_state(2.0), tmp_path / "last.pt")
-    assert str(err.value) == (f"cannot write checkpoint {tmp_path / 'last.pt'}: No space left on device; free "
-                              f"space or set hydra.run.dir elsewhere")
+    assert str(err.value) == (
+        f"cannot write checkpoint {tmp_path / 'last.pt'}: No space left on device; free "
+        f"space or set hydra.run.dir elsewhere"
+    )
     assert "\n" not in str(err.value)
     assert_previous_intact(tmp_path, 1.0)
 
@@ -89,8 +93,9 @@ def test_write_cut_short_by_file_size_limit(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (f"cannot write checkpoint {tmp_path / 'last.pt'}: File too large; free space or set "
-                           f"hydra.run.dir elsewhere\n")
+    assert proc.stdout == (
+        f"cannot write checkpoint {tmp_path / 'last.pt'}: File too large; free space or set hydra.run.dir elsewhere\n"
+    )
     assert_previous_intact(tmp_path, 1.0)
 
 
@@ -107,8 +112,10 @@ def test_truncated_checkpoint_is_a_one_line_error(tmp_path):
 
 # --- src/runlock.py: one live run per run directory (it guards the checkpoints of that directory) ---
 
-HOLD = ("import sys, time; from src.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
-        "print('locked', flush=True); time.sleep(300)")
+HOLD = (
+    "import sys, time; from src.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+    "print('locked', flush=True); time.sleep(300)"
+)
 TRY = "import sys; from src.runlock import RunLock\nwith RunLock(sys.argv[1]): print('acquired')"
 
 
@@ -118,8 +125,7 @@ def in_use(run_dir, pid: int) -> str:
 
 def test_live_holder_blocks_and_killed_holder_does_not(tmp_path):
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(ConfigError) as err:

@@ -1,5 +1,6 @@
 """The data group: builders named by `_target_`, shared keys composed from `_common`, the content-keyed decode
 cache, and one-line errors for bad data and bad data settings."""
+
 from __future__ import annotations
 
 import os
@@ -23,28 +24,96 @@ DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synth
 # The data config of every option and experiment, recorded from the YAMLs before the shared keys moved to
 # conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
 # the keys of images read from disk (issue 16: GPU decoding, random resized crop ranges, skipping bad images).
-ON_DISK = {"decode": "auto", "rrc_scale": [0.08, 1.0], "rrc_ratio": [0.75, 1.3333333333333333],
-           "skip_bad_images": False}
-BEFORE = {
-    "digits": {"name": "digits", "batch_size": 128, "eval_batch_size": 512, "val_fraction": 0.15,
-               "test_fraction": 0.2, "augment": "none", "cutout": 0, "pad_mode": "zeros", "num_workers": 0,
-               "loader": "auto"},
-    "cifar10": {"name": "cifar10", "root": "${paths.data_dir}/cifar10", "download": True, "batch_size": 256,
-                "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "crop_flip", "cutout": 0,
-                "pad_mode": "zeros", "num_workers": 4, "loader": "auto"},
-    "cifar100": {"name": "cifar100", "root": "${paths.data_dir}/cifar100", "download": True, "batch_size": 256,
-                 "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "crop_flip", "cutout": 0,
-                 "pad_mode": "zeros", "num_workers": 4, "loader": "auto"},
-    "imagefolder": {"name": "imagefolder", "root": "???", "image_size": None, "batch_size": 256,
-                    "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "auto", "cutout": 0, "pad_mode": "zeros",
-                    "num_workers": 4, "loader": "auto", "max_memory_gb": 8, **ON_DISK},
-    "synthetic": {"name": "synthetic", "num_samples": 2048, "num_test": 512, "shape": [3, 32, 32], "num_classes": 10,
-                  "batch_size": 256, "eval_batch_size": 1024, "val_fraction": 0.1, "augment": "none", "cutout": 0,
-                  "pad_mode": "zeros", "num_workers": 0, "loader": "auto"},
+ON_DISK = {
+    "decode": "auto",
+    "rrc_scale": [0.08, 1.0],
+    "rrc_ratio": [0.75, 1.3333333333333333],
+    "skip_bad_images": False,
 }
-SHARDS = {"name": "shards", "root": "???", "image_size": None, "batch_size": 256, "eval_batch_size": 1024,
-          "val_fraction": 0.1, "augment": "auto", "cutout": 0, "pad_mode": "zeros", "num_workers": 4, "loader": "auto",
-          **ON_DISK}  # added with the on-disk keys (issue 16)
+BEFORE = {
+    "digits": {
+        "name": "digits",
+        "batch_size": 128,
+        "eval_batch_size": 512,
+        "val_fraction": 0.15,
+        "test_fraction": 0.2,
+        "augment": "none",
+        "cutout": 0,
+        "pad_mode": "zeros",
+        "num_workers": 0,
+        "loader": "auto",
+    },
+    "cifar10": {
+        "name": "cifar10",
+        "root": "${paths.data_dir}/cifar10",
+        "download": True,
+        "batch_size": 256,
+        "eval_batch_size": 1024,
+        "val_fraction": 0.1,
+        "augment": "crop_flip",
+        "cutout": 0,
+        "pad_mode": "zeros",
+        "num_workers": 4,
+        "loader": "auto",
+    },
+    "cifar100": {
+        "name": "cifar100",
+        "root": "${paths.data_dir}/cifar100",
+        "download": True,
+        "batch_size": 256,
+        "eval_batch_size": 1024,
+        "val_fraction": 0.1,
+        "augment": "crop_flip",
+        "cutout": 0,
+        "pad_mode": "zeros",
+        "num_workers": 4,
+        "loader": "auto",
+    },
+    "imagefolder": {
+        "name": "imagefolder",
+        "root": "???",
+        "image_size": None,
+        "batch_size": 256,
+        "eval_batch_size": 1024,
+        "val_fraction": 0.1,
+        "augment": "auto",
+        "cutout": 0,
+        "pad_mode": "zeros",
+        "num_workers": 4,
+        "loader": "auto",
+        "max_memory_gb": 8,
+        **ON_DISK,
+    },
+    "synthetic": {
+        "name": "synthetic",
+        "num_samples": 2048,
+        "num_test": 512,
+        "shape": [3, 32, 32],
+        "num_classes": 10,
+        "batch_size": 256,
+        "eval_batch_size": 1024,
+        "val_fraction": 0.1,
+        "augment": "none",
+        "cutout": 0,
+        "pad_mode": "zeros",
+        "num_workers": 0,
+        "loader": "auto",
+    },
+}
+SHARDS = {
+    "name": "shards",
+    "root": "???",
+    "image_size": None,
+    "batch_size": 256,
+    "eval_batch_size": 1024,
+    "val_fraction": 0.1,
+    "augment": "auto",
+    "cutout": 0,
+    "pad_mode": "zeros",
+    "num_workers": 4,
+    "loader": "auto",
+    **ON_DISK,
+}  # added with the on-disk keys (issue 16)
 BEFORE["shards"] = SHARDS
 JPEG = {"root": "${paths.data_dir}/cifar10-jpeg", "batch_size": 512}
 BEFORE_EXPERIMENTS = {
@@ -53,9 +122,14 @@ BEFORE_EXPERIMENTS = {
     "cifar10_long": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 16, "loader": "gpu"},
     "seeds_cifar100": BEFORE["cifar100"],
 }
-BUILDERS = {"digits": datasets.load_digits_data, "cifar10": datasets.load_cifar10,
-            "cifar100": datasets.load_cifar100, "imagefolder": datasets.load_imagefolder,
-            "shards": shards.load_shards, "synthetic": datasets.load_synthetic}
+BUILDERS = {
+    "digits": datasets.load_digits_data,
+    "cifar10": datasets.load_cifar10,
+    "cifar100": datasets.load_cifar100,
+    "imagefolder": datasets.load_imagefolder,
+    "shards": shards.load_shards,
+    "synthetic": datasets.load_synthetic,
+}
 
 
 def composed_data(*overrides: str) -> dict:
@@ -76,7 +150,7 @@ def toy_bars(cfg) -> DataBundle:
         labels = torch.arange(n) % 3
         images = torch.randint(0, 60, (n, 1, 8, 8), generator=g, dtype=torch.uint8)
         for k in range(3):
-            images[labels == k, :, :, 2 * k + 1:2 * k + 3] = 230
+            images[labels == k, :, :, 2 * k + 1 : 2 * k + 3] = 230
         return Split(labels, images=images)
 
     train, val = carve_val(make(TOY_TRAIN), cfg.val_fraction)  # the helper docs/extending.md shows
@@ -93,8 +167,14 @@ def empty_train(cfg) -> DataBundle:
 def test_a_builder_defined_in_a_test_trains_end_to_end(tmp_path):
     from src.launch import main as launch
 
-    cfg = make_cfg(tmp_path, "data._target_=tests.test_data.toy_bars", "data.name=toy", "data.batch_size=32",
-                   "trainer.limit_train_batches=null", "trainer.max_epochs=3")
+    cfg = make_cfg(
+        tmp_path,
+        "data._target_=tests.test_data.toy_bars",
+        "data.name=toy",
+        "data.batch_size=32",
+        "trainer.limit_train_batches=null",
+        "trainer.max_epochs=3",
+    )
     metrics = launch(cfg)
     saved = read_metrics(tmp_path / "run")
     assert metrics["test_count"] == saved["final"]["test_count"] == TOY_TEST  # digits would give 360
@@ -109,6 +189,7 @@ def test_every_data_yaml_names_its_builder(option):
 
 
 # --- 2. the shared keys live in _common.yaml ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("option", DATA_OPTIONS)
 def test_data_options_compose_to_the_values_before(option):
@@ -135,6 +216,7 @@ def test_data_yamls_hold_only_their_own_keys(option):
 
 
 # --- 3. the decode cache is keyed by the files' content -------------------------------------------------
+
 
 def _write_tree(root: Path, classes=("a", "b", "c"), counts=(6, 3, 3), ext="bmp", mtime_ns=None) -> None:
     """train/ val/ test/ with the same file names in every class; each class lights its own channel.
@@ -235,7 +317,7 @@ def test_a_damaged_cache_file_is_decoded_again_with_a_warning(tmp_path, decodes,
     _load(tmp_path, root)
     (cache,) = (root / ".ddplab-cache").glob("test-*.pt")
     blob = cache.read_bytes()
-    cache.write_bytes(blob[:len(blob) // 2] if damage == "truncated" else b"not a cache file")
+    cache.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"not a cache file")
     with caplog.at_level("WARNING", logger="src.datasets"):
         data = _load(tmp_path, root)
     _assert_matches_files(data, root)
@@ -246,6 +328,7 @@ def test_a_damaged_cache_file_is_decoded_again_with_a_warning(tmp_path, decodes,
 
 
 # --- 4. bad data and bad settings: one line each ---------------------------------------------------------
+
 
 def _one_line(excinfo) -> str:
     message = str(excinfo.value)
@@ -281,7 +364,7 @@ def test_a_corrupt_jpeg_is_named_in_memory_and_on_disk(tmp_path, damage):
     _write_tree(root, ext="jpg")
     bad = root / "train/c/4.jpg"
     blob = bad.read_bytes()
-    bad.write_bytes(b"\xff\xd8 not a jpeg" if damage == "garbage" else blob[:len(blob) // 2])
+    bad.write_bytes(b"\xff\xd8 not a jpeg" if damage == "garbage" else blob[: len(blob) // 2])
     with pytest.raises(ConfigError, match=rf"{bad}: cannot read this image") as excinfo:
         _load(tmp_path, root)
     _one_line(excinfo)
@@ -309,27 +392,38 @@ def test_a_folder_named_like_an_image_is_no_sample(tmp_path):
     assert len(_load(tmp_path, root).test) == 9
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.val_fraction=0.999", r"data.val_fraction=0.999 cannot split 1437 samples of 10 classes"),
-    ("data.test_fraction=0.001", r"data.test_fraction=0.001 cannot split 1797 samples of 10 classes"),
-    ("data.val_fraction=1.0", r"data.val_fraction must be a number in \[0, 1\), got 1.0"),
-    ("data.val_fraction=-0.1", r"data.val_fraction must be a number in \[0, 1\), got -0.1"),
-    ("data.val_fraction=some", r"data.val_fraction must be a number in \[0, 1\), got 'some'"),
-    ("data.test_fraction=0", r"data.test_fraction must be a number in \(0, 1\), got 0"),
-    ("data.augment=bogus", r"data.augment must be one of none, crop_flip, random_resized_crop, auto, got 'bogus'"),
-    ("data.augment=random_resized_crop", r"data.augment=random_resized_crop needs images read from disk"),
-    ("data.num_workers=-1", r"data.num_workers must be an integer >= 0, got -1"),
-    ("data.num_workers=1.5", r"data.num_workers must be an integer >= 0, got 1.5"),
-    ("data.num_workers=two", r"data.num_workers must be an integer >= 0, got 'two'"),
-    ("data._target_=src.datasets.no_such_loader",
-     r"data._target_=src.datasets.no_such_loader cannot be imported as a function \(Are you sure"),
-    ("data._target_=tests.test_data.empty_train", r"the train split of data=digits is empty"),
-    ("+data.decode=nvjpeg", r"data.decode must be auto, gpu or cpu, got 'nvjpeg'"),
-    ("+data.rrc_scale=[0.5,0.1]", r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1 .*got \[0.5, 0.1\]"),
-    ("+data.rrc_scale=[0.5,2]", r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1"),
-    ("+data.rrc_ratio=0.75", r"data.rrc_ratio must be \[low, high\] with 0 < low <= high \(width / height\), got 0.75"),
-    ("+data.skip_bad_images=sometimes", r"data.skip_bad_images must be true or false, got 'sometimes'"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.val_fraction=0.999", r"data.val_fraction=0.999 cannot split 1437 samples of 10 classes"),
+        ("data.test_fraction=0.001", r"data.test_fraction=0.001 cannot split 1797 samples of 10 classes"),
+        ("data.val_fraction=1.0", r"data.val_fraction must be a number in \[0, 1\), got 1.0"),
+        ("data.val_fraction=-0.1", r"data.val_fraction must be a number in \[0, 1\), got -0.1"),
+        ("data.val_fraction=some", r"data.val_fraction must be a number in \[0, 1\), got 'some'"),
+        ("data.test_fraction=0", r"data.test_fraction must be a number in \(0, 1\), got 0"),
+        ("data.augment=bogus", r"data.augment must be one of none, crop_flip, random_resized_crop, auto, got 'bogus'"),
+        ("data.augment=random_resized_crop", r"data.augment=random_resized_crop needs images read from disk"),
+        ("data.num_workers=-1", r"data.num_workers must be an integer >= 0, got -1"),
+        ("data.num_workers=1.5", r"data.num_workers must be an integer >= 0, got 1.5"),
+        ("data.num_workers=two", r"data.num_workers must be an integer >= 0, got 'two'"),
+        (
+            "data._target_=src.datasets.no_such_loader",
+            r"data._target_=src.datasets.no_such_loader cannot be imported as a function \(Are you sure",
+        ),
+        ("data._target_=tests.test_data.empty_train", r"the train split of data=digits is empty"),
+        ("+data.decode=nvjpeg", r"data.decode must be auto, gpu or cpu, got 'nvjpeg'"),
+        (
+            "+data.rrc_scale=[0.5,0.1]",
+            r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1 .*got \[0.5, 0.1\]",
+        ),
+        ("+data.rrc_scale=[0.5,2]", r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1"),
+        (
+            "+data.rrc_ratio=0.75",
+            r"data.rrc_ratio must be \[low, high\] with 0 < low <= high \(width / height\), got 0.75",
+        ),
+        ("+data.skip_bad_images=sometimes", r"data.skip_bad_images must be true or false, got 'sometimes'"),
+    ],
+)
 def test_bad_data_settings_are_one_line(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as excinfo:
         load_data(make_cfg(tmp_path, override).data)

@@ -2,6 +2,7 @@
 drawn like torchvision's from (seed, epoch, sample id), the evaluation resize + centre crop, one-line errors for
 bad files, and batches that are the same for any world size, decode path and resume point. All on the CPU,
 where the "device" decoder is torchvision's CPU decoder."""
+
 from __future__ import annotations
 
 import io
@@ -32,11 +33,13 @@ def encode(pixels: np.ndarray, kind: str) -> bytes:
     from PIL import Image
 
     img, out = Image.fromarray(pixels), io.BytesIO()
-    {"jpeg": lambda: img.save(out, "JPEG", quality=90),
-     "progressive": lambda: img.save(out, "JPEG", quality=90, progressive=True),
-     "cmyk": lambda: img.convert("CMYK").save(out, "JPEG", quality=90),
-     "gray": lambda: img.convert("L").save(out, "JPEG", quality=90),
-     "png": lambda: img.save(out, "PNG")}[kind]()
+    {
+        "jpeg": lambda: img.save(out, "JPEG", quality=90),
+        "progressive": lambda: img.save(out, "JPEG", quality=90, progressive=True),
+        "cmyk": lambda: img.convert("CMYK").save(out, "JPEG", quality=90),
+        "gray": lambda: img.convert("L").save(out, "JPEG", quality=90),
+        "png": lambda: img.save(out, "PNG"),
+    }[kind]()
     return out.getvalue()
 
 
@@ -66,8 +69,16 @@ def write_tree(root: Path, kinds=("jpeg",), per_class=(6, 3), seed=0, smooth=Fal
 
 
 def disk_data(tmp_path: Path, root: Path, *overrides: str):
-    cfg = make_cfg(tmp_path, "data=imagefolder", f"data.root={root}", "data.image_size=16",
-                   "data.augment=random_resized_crop", "data.num_workers=0", "data.val_fraction=0", *overrides)
+    cfg = make_cfg(
+        tmp_path,
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.image_size=16",
+        "data.augment=random_resized_crop",
+        "data.num_workers=0",
+        "data.val_fraction=0",
+        *overrides,
+    )
     return load_data(cfg.data), cfg
 
 
@@ -86,8 +97,11 @@ def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU):
 
 # --- the crop parameters: torchvision's distribution, from (seed, epoch, id) ---------------------------------
 
-@pytest.mark.parametrize("shape,scale,ratio", [((375, 500), *DEFAULT), ((500, 333), *DEFAULT), ((64, 64), *DEFAULT),
-                                               ((300, 400), (0.25, 0.9), (0.5, 2.0))])
+
+@pytest.mark.parametrize(
+    "shape,scale,ratio",
+    [((375, 500), *DEFAULT), ((500, 333), *DEFAULT), ((64, 64), *DEFAULT), ((300, 400), (0.25, 0.9), (0.5, 2.0))],
+)
 def test_crop_parameters_follow_torchvision_random_resized_crop(shape, scale, ratio):
     ks_2samp = pytest.importorskip("scipy.stats").ks_2samp
     n, (H, W) = 3000, shape
@@ -100,8 +114,12 @@ def test_crop_parameters_follow_torchvision_random_resized_crop(shape, scale, ra
         assert (boxes[:, 1] + boxes[:, 3] <= W).all() and (boxes[:, 2:] > 0).all()
 
     def features(b):  # area share, aspect, relative position
-        return {"area": b[:, 2] * b[:, 3] / (H * W), "aspect": b[:, 3] / b[:, 2],
-                "top": b[:, 0] / np.maximum(H - b[:, 2], 1), "left": b[:, 1] / np.maximum(W - b[:, 3], 1)}
+        return {
+            "area": b[:, 2] * b[:, 3] / (H * W),
+            "aspect": b[:, 3] / b[:, 2],
+            "top": b[:, 0] / np.maximum(H - b[:, 2], 1),
+            "left": b[:, 1] / np.maximum(W - b[:, 3], 1),
+        }
 
     mine, theirs = features(ours), features(ref)
     for key in mine:
@@ -123,8 +141,9 @@ def test_the_fallback_is_as_frequent_as_torchvision():
     u = sample_uniforms(1, 0, np.arange(n), 40).reshape(n, 10, 4)
     fallback = rrc_boxes(u, [H] * n, [W] * n)
     torch.manual_seed(1)
-    ref = np.array([v2.RandomResizedCrop.get_params(torch.empty(3, H, W), [0.08, 1.0], [3 / 4, 4 / 3])
-                    for _ in range(n)])
+    ref = np.array(
+        [v2.RandomResizedCrop.get_params(torch.empty(3, H, W), [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(n)]
+    )
     centre = v2.RandomResizedCrop.get_params(torch.empty(3, H, W), [2.0, 2.0], [3 / 4, 4 / 3])  # always falls back
     rate, ref_rate = ((b == np.array(centre)).all(axis=1).mean() for b in (fallback, ref))
     assert 0.5 < ref_rate < 0.95 and abs(rate - ref_rate) < 0.05
@@ -142,6 +161,7 @@ def test_draws_depend_on_seed_epoch_and_id_only():
 
 # --- the pixels: batched crops equal each image's own, evaluation equals Resize + CenterCrop ------------------
 
+
 def random_images(n: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(20, 90, (n, 2), generator=g).tolist()
@@ -157,8 +177,14 @@ def test_each_random_resized_crop_equals_its_own_reference():
         (box,), (flip,) = rrc_params(5, 3, [i], [image.shape[1]], [image.shape[2]], *DEFAULT)  # this image alone
         top, left, h, w = box.tolist()
         ref = TF.resized_crop(image, top, left, h, w, list(size), antialias=True)
-        by_hand = F.interpolate(image[None, :, top:top + h, left:left + w].float(), size, mode="bilinear",
-                                antialias=True)[0].round().clamp(0, 255).to(torch.uint8)
+        by_hand = (
+            F.interpolate(
+                image[None, :, top : top + h, left : left + w].float(), size, mode="bilinear", antialias=True
+            )[0]
+            .round()
+            .clamp(0, 255)
+            .to(torch.uint8)
+        )
         if flip:
             ref, by_hand = TF.horizontal_flip(ref), by_hand.flip(-1)
         assert (batch[k].int() - ref.int()).abs().max() <= 1 and (batch[k].int() - by_hand.int()).abs().max() <= 1
@@ -178,6 +204,7 @@ def test_evaluation_matches_resize_and_center_crop():
 
 
 # --- decoding: the device decoder where it can, the CPU for the rest ------------------------------------------
+
 
 def test_what_the_device_decoder_gets_and_the_cpu_fallback():
     pixels = np.random.default_rng(0).integers(0, 256, (20, 28, 3), dtype=np.uint8)
@@ -207,7 +234,7 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
     write_tree(tmp_path / "tree", per_class=(4, 2))
     bad = tmp_path / "tree/train/b/2.jpg"
     blob = bad.read_bytes()
-    bad.write_bytes(blob[:len(blob) // 2] if damage == "truncated" else b"\xff\xd8 not a jpeg")
+    bad.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"\xff\xd8 not a jpeg")
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
     for decode in ("gpu", "cpu"):
@@ -215,7 +242,7 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
             batches(data, cfg, steps, 0, decode)
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
     with caplog.at_level(logging.WARNING, logger="src.loaders"):
-        (x, y), = batches(data, cfg, steps, 0, "gpu")
+        ((x, y),) = batches(data, cfg, steps, 0, "gpu")
     assert len(x) == len(y) == 7
     assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
 
@@ -232,6 +259,7 @@ def test_a_worker_names_the_bad_file_in_one_line(tmp_path):
 
 
 # --- the same batches for any world size and after a resume ---------------------------------------------------
+
 
 def test_two_ranks_see_exactly_the_single_rank_batch(tmp_path):
     write_tree(tmp_path / "tree", per_class=(9, 2))
@@ -259,6 +287,7 @@ def test_a_resumed_epoch_crops_each_sample_the_same_way(tmp_path):
 
 # --- on CUDA (the GPU machine): nvjpeg and the side stream --------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kinds", [("jpeg",), ("jpeg", "png", "cmyk", "gray", "progressive")])
 def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds):
@@ -281,7 +310,15 @@ def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     write_tree(tmp_path / "tree", per_class=(16, 4))
-    _, cfg = disk_data(tmp_path, tmp_path / "tree", "trainer.device=cuda", "data.decode=gpu", "data.batch_size=8",
-                       "trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.max_epochs=2")
+    _, cfg = disk_data(
+        tmp_path,
+        tmp_path / "tree",
+        "trainer.device=cuda",
+        "data.decode=gpu",
+        "data.batch_size=8",
+        "trainer.compile=true",
+        "trainer.compile_mode=reduce-overhead",
+        "trainer.max_epochs=2",
+    )
     metrics = train(cfg)
     assert metrics["test_count"] == 8 and np.isfinite(metrics["test_loss"])

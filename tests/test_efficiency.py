@@ -1,4 +1,5 @@
 """Memory and compute efficiency in every run: the epoch line, metrics.json and the loggers' scalars."""
+
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """docs/extending.md's strategy recipe, followed with a toy strategy defined here (the dataset and logger
 recipes are followed in tests/test_data.py and tests/test_loggers.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,13 @@ def test_a_new_logger_receives_every_epoch_and_the_final_metrics_from_training(c
     from tests.test_loggers import ToyLogger
 
     monkeypatch.setattr(ToyLogger, "calls", [])
-    launch(cfg_factory("logger=none", "+logger.toy={_target_: tests.test_loggers.ToyLogger, prefix: 'toy_'}",
-                       "trainer.max_epochs=2"))
+    launch(
+        cfg_factory(
+            "logger=none",
+            "+logger.toy={_target_: tests.test_loggers.ToyLogger, prefix: 'toy_'}",
+            "trainer.max_epochs=2",
+        )
+    )
     m = read_metrics(tmp_path / "run")
     epochs = [c for c in ToyLogger.calls if c[0] == "toy_metrics"]
     assert [c[1] for c in epochs] == [1, 2, 2]  # two epochs, then the test metrics at the last one

@@ -1,6 +1,7 @@
 """FSDP2 on CPU over gloo: torchtitan's layout (per-block compile before sharding, explicit prefetch), its
 options, activation checkpointing, and sharded (DCP) checkpoints that resume on another number of ranks,
 evaluate with any strategy and export to one file."""
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,9 @@ FSDP2 = ("strategy=fsdp", "trainer.devices=2")
 AC_MODEL = "model._target_=tests.test_fsdp.checkpointed_tiny_cnn"
 
 
-def checkpointed_tiny_cnn(num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16,
-                          batch_norm: bool = True) -> nn.Module:
+def checkpointed_tiny_cnn(
+    num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16, batch_norm: bool = True
+) -> nn.Module:
     """TinyCNN as the trainer builds it with activation checkpointing on (before the strategy wraps it)."""
     model = TinyCNN(num_classes, in_channels, width, batch_norm)
     apply_activation_checkpointing(model)
@@ -62,26 +64,39 @@ def reference(tmp_path_factory):
 
 # --- options --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override, message", [
-    ("strategy.prefetch=0", "strategy.prefetch must be true or false or a positive integer, got 0"),
-    ("strategy.param_dtype=fp16", "strategy.param_dtype must be one of bf16, fp32 or null, got 'fp16'"),
-    ("strategy.reduce_dtype=fp16", "strategy.reduce_dtype must be one of fp32, bf16, got 'fp16'"),
-    ("strategy.cpu_offload=1", "strategy.cpu_offload must be true or false, got 1"),
-    ("strategy.checkpoint_format=zip", "strategy.checkpoint_format must be one of sharded, full, got 'zip'"),
-    ("strategy.reshard_after_forward=0",
-     "strategy.reshard_after_forward must be true or false or a positive integer, got 0"),
-    ("strategy.reshard_after_forward=3", "strategy.reshard_after_forward=3 must divide the 2 ranks (the group each "
-                                         "parameter is regathered from in the backward); use true, false"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("strategy.prefetch=0", "strategy.prefetch must be true or false or a positive integer, got 0"),
+        ("strategy.param_dtype=fp16", "strategy.param_dtype must be one of bf16, fp32 or null, got 'fp16'"),
+        ("strategy.reduce_dtype=fp16", "strategy.reduce_dtype must be one of fp32, bf16, got 'fp16'"),
+        ("strategy.cpu_offload=1", "strategy.cpu_offload must be true or false, got 1"),
+        ("strategy.checkpoint_format=zip", "strategy.checkpoint_format must be one of sharded, full, got 'zip'"),
+        (
+            "strategy.reshard_after_forward=0",
+            "strategy.reshard_after_forward must be true or false or a positive integer, got 0",
+        ),
+        (
+            "strategy.reshard_after_forward=3",
+            "strategy.reshard_after_forward=3 must divide the 2 ranks (the group each "
+            "parameter is regathered from in the backward); use true, false",
+        ),
+    ],
+)
 def test_each_bad_option_is_one_line(cfg_factory, override, message):
     with pytest.raises(ConfigError) as err:
         plan_layout(cfg_factory(*FSDP2, override))
     assert str(err.value) == message
 
 
-@pytest.mark.parametrize("options", [("strategy.prefetch=false", "strategy.cpu_offload=true"),
-                                     ("strategy.prefetch=2", "strategy.reshard_after_forward=false",
-                                      "strategy.checkpoint_format=full")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("strategy.prefetch=false", "strategy.cpu_offload=true"),
+        ("strategy.prefetch=2", "strategy.reshard_after_forward=false", "strategy.checkpoint_format=full"),
+    ],
+)
 def test_options_that_move_memory_or_communication_compute_the_same(reference, cfg_factory, tmp_path, options):
     launch(cfg_factory(*STEPS, *FSDP2, *options))
     assert_same(last_weights(tmp_path / "run"), last_weights(reference))
@@ -100,8 +115,9 @@ def single_nobn(tmp_path_factory):
 
 def test_bf16_parameters_and_reduction_train_close_and_keep_fp32_weights(single_nobn, cfg_factory, tmp_path):
     # no BatchNorm: torch's CPU kernel takes no bf16 weights with fp32 running stats
-    launch(cfg_factory("model.batch_norm=false", *STEPS, *FSDP2, "strategy.param_dtype=bf16",
-                       "strategy.reduce_dtype=bf16"))
+    launch(
+        cfg_factory("model.batch_norm=false", *STEPS, *FSDP2, "strategy.param_dtype=bf16", "strategy.reduce_dtype=bf16")
+    )
     weights = last_weights(tmp_path / "run")
     assert all(w.dtype == torch.float32 for w in weights.values())  # the sharded master weights
     assert_same(weights, last_weights(single_nobn), rtol=0.05, atol=0.02)  # 4 steps of bf16 rounding
@@ -109,15 +125,23 @@ def test_bf16_parameters_and_reduction_train_close_and_keep_fp32_weights(single_
 
 def test_reshard_to_a_smaller_group_on_four_ranks_matches_single(single_nobn, tmp_path):
     """reshard_after_forward=2 of 4 ranks (torchrun: 4 processes on this 2-core machine)."""
-    proc = run_cli(str(ROOT / "train.py"), "debug=fast", "model.batch_norm=false", *STEPS, "strategy=fsdp",
-                   "strategy.reshard_after_forward=2", f"hydra.run.dir={tmp_path}/fsdp4",
-                   command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"])
+    proc = run_cli(
+        str(ROOT / "train.py"),
+        "debug=fast",
+        "model.batch_norm=false",
+        *STEPS,
+        "strategy=fsdp",
+        "strategy.reshard_after_forward=2",
+        f"hydra.run.dir={tmp_path}/fsdp4",
+        command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_metrics(tmp_path / "fsdp4")["hparams"]["world_size"] == 4
     assert_same(last_weights(tmp_path / "fsdp4"), last_weights(single_nobn), rtol=1e-4, atol=1e-6)
 
 
 # --- layout: compile per block before sharding, prefetch ---------------------------------------------
+
 
 @pytest.fixture
 def one_rank_group():
@@ -163,8 +187,9 @@ def test_each_block_is_compiled_then_sharded_and_prefetches_the_next(one_rank_gr
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_activation_checkpointing_and_per_block_compile_train_like_eager_fsdp(reference, cfg_factory, tmp_path,
-                                                                              compile):
+def test_activation_checkpointing_and_per_block_compile_train_like_eager_fsdp(
+    reference, cfg_factory, tmp_path, compile
+):
     launch(cfg_factory(*STEPS, *FSDP2, AC_MODEL, f"trainer.compile={str(compile).lower()}", sub="ac"))
     # BatchNorm's running stats included: the recomputation in the backward does not count a batch twice
     assert_same(last_weights(tmp_path / "ac/run"), last_weights(reference), rtol=1e-4, atol=1e-6)
@@ -204,8 +229,15 @@ def test_activation_checkpointing_gives_the_same_loss_gradients_and_state_names(
 
 # --- sharded checkpoints ----------------------------------------------------------------------------
 
-ARGS = ("debug=fast", "model.batch_norm=false", "trainer.limit_train_batches=null", "trainer.max_epochs=4",
-        "data.batch_size=32", "trainer.deterministic=true", *FSDP2)
+ARGS = (
+    "debug=fast",
+    "model.batch_norm=false",
+    "trainer.limit_train_batches=null",
+    "trainer.max_epochs=4",
+    "data.batch_size=32",
+    "trainer.deterministic=true",
+    *FSDP2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +255,12 @@ def test_each_rank_writes_its_own_shards_and_nothing_else_is_left(straight):
     directory = straight / "checkpoints"
     assert sorted(p.name for p in directory.iterdir()) == ["best", "last"]  # no .pt, no .tmp or .old leftovers
     for name in ("best", "last"):
-        assert sorted(p.name for p in (directory / name).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                        "state.pt"]
+        assert sorted(p.name for p in (directory / name).iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "state.pt",
+        ]
         # every tensor of the model and of the optimizer state is in two halves, each in its rank's file:
         # nothing was gathered on rank 0
         files = {}
@@ -242,9 +278,14 @@ def _workers(launcher: subprocess.Popen) -> list[int]:
 
 
 def _kill_a_rank_after_the_first_checkpoint(run: Path, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, *extra, f"hydra.run.dir={run}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *ARGS, *extra, f"hydra.run.dir={run}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.time() + 120
     while time.time() < deadline and ckpt.find(run / "checkpoints", "last") is None:
         time.sleep(0.02)
@@ -290,8 +331,13 @@ def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straig
     for key in ("test_loss", "test_top1", "test_top5", "val_loss"):
         assert evaluated[key] == pytest.approx(final[key], rel=1e-6), key
     out = tmp_path / "best.pt"
-    proc = subprocess.run([sys.executable, "-m", "src.checkpoint", "export", str(best), str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.checkpoint", "export", str(best), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
     exported = torch.load(out, weights_only=False)
     # the same tensors as single reads from the shards through DCP
@@ -344,5 +390,7 @@ def test_a_rerun_in_the_run_directory_takes_the_sharded_checkpoints_config(strai
     assert continued.trainer.max_epochs == 4 and continued.model.batch_norm is False
     with pytest.raises(ConfigError) as err:
         reconcile(in_straight("trainer.max_epochs=5"), ["trainer.max_epochs=5"])
-    assert str(err.value).startswith(f"{straight / 'checkpoints/last'} was trained with other settings that "
-                                     f"change the result: trainer.max_epochs=5 (checkpoint: 4)")
+    assert str(err.value).startswith(
+        f"{straight / 'checkpoints/last'} was trained with other settings that "
+        f"change the result: trainer.max_epochs=5 (checkpoint: 4)"
+    )

@@ -1,4 +1,5 @@
 """Runs only where CUDA is present (the GPU machine): every strategy trains and evaluates identically."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,15 @@ from src.trainer import train
 from tests.conftest import assert_compiled_loader_augments_like_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-GPU = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=resnet18", "trainer.amp=true",
-       "trainer.channels_last=true", "data.batch_size=64")
+GPU = (
+    "trainer.device=cuda",
+    "data=synthetic",
+    "data.augment=crop_flip",
+    "model=resnet18",
+    "trainer.amp=true",
+    "trainer.channels_last=true",
+    "data.batch_size=64",
+)
 
 
 @pytest.mark.parametrize("strategy", ["single", "dp", "ddp", "fsdp"])
@@ -29,9 +37,20 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
     # evaluated in fp32 without TF32: strategies then differ only in summation order (bf16 autocast flipped near-tied
     # random-label predictions on H100), so the numbers agree to fp32 rounding
     fp32 = ("trainer.amp=false", "trainer.deterministic=true")
-    results = {s: launch(cfg_factory(*GPU, *fp32, "train=false", best, f"strategy={s}",
-                                     *([] if s == "single" else ["trainer.devices=2"]), sub=s))
-               for s in ("single", "dp", "ddp", "fsdp")}
+    results = {
+        s: launch(
+            cfg_factory(
+                *GPU,
+                *fp32,
+                "train=false",
+                best,
+                f"strategy={s}",
+                *([] if s == "single" else ["trainer.devices=2"]),
+                sub=s,
+            )
+        )
+        for s in ("single", "dp", "ddp", "fsdp")
+    }
     for s in ("dp", "ddp", "fsdp"):
         assert results[s]["test_count"] == results["single"]["test_count"] == 512
         assert results[s]["test_top1"] == results["single"]["test_top1"], s
@@ -39,15 +58,37 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("scope, mode, sync", [("module", "default", "reducer"), ("wrapper", "default", "reducer"),
-                                               ("module", "reduce-overhead", "reducer"),
-                                               ("module", "reduce-overhead", "after_backward")])
+@pytest.mark.parametrize(
+    "scope, mode, sync",
+    [
+        ("module", "default", "reducer"),
+        ("wrapper", "default", "reducer"),
+        ("module", "reduce-overhead", "reducer"),
+        ("module", "reduce-overhead", "after_backward"),
+    ],
+)
 def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync):
-    tiny = ("trainer.device=cuda", "data=synthetic", "data.augment=crop_flip", "model=tiny_cnn", "data.batch_size=64",
-            "trainer.compile=true", "trainer.amp=false", f"trainer.compile_mode={mode}")
+    tiny = (
+        "trainer.device=cuda",
+        "data=synthetic",
+        "data.augment=crop_flip",
+        "model=tiny_cnn",
+        "data.batch_size=64",
+        "trainer.compile=true",
+        "trainer.amp=false",
+        f"trainer.compile_mode={mode}",
+    )
     single = launch(cfg_factory(*tiny, sub="single"))
-    ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", f"strategy.compile_scope={scope}",
-                             f"strategy.gradient_sync={sync}", sub=f"{scope}-{sync}"))
+    ddp = launch(
+        cfg_factory(
+            *tiny,
+            "strategy=ddp",
+            "trainer.devices=2",
+            f"strategy.compile_scope={scope}",
+            f"strategy.gradient_sync={sync}",
+            sub=f"{scope}-{sync}",
+        )
+    )
     assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
     assert ddp["test_count"] == single["test_count"] == 512
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=2e-3)  # fp32: only summation order differs
@@ -58,5 +99,6 @@ def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=600").data)
     for pad_mode in ("zeros", "reflect"):
-        assert_compiled_loader_augments_like_eager(data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8,
-                                                   pad_mode=pad_mode)
+        assert_compiled_loader_augments_like_eager(
+            data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8, pad_mode=pad_mode
+        )

@@ -3,6 +3,7 @@ logged (TensorBoard's event reader, the CSV file, W&B's own reader of its offlin
 
 The configs are composed from a copy of conf/ that has the logger default when conf/train.yaml does not yet.
 """
+
 import csv
 import json
 import math
@@ -22,13 +23,23 @@ from src.loggers import Logger, build_loggers, job_identity
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LINE = "  - logger: tensorboard"
 
-EPOCHS = [{"train/loss": 1.25, "train/top1": 40.5, "val/loss": 1.5, "val/top1": 38.25, "time/epoch_sec": 2.5},
-          {"train/loss": 0.75, "train/top1": 70.125, "val/loss": 0.875, "val/top1": 68.0, "time/epoch_sec": 1.75},
-          {"train/loss": 0.5, "train/top1": 81.0, "val/loss": 0.625, "val/top1": 79.5, "time/epoch_sec": 1.5}]
+EPOCHS = [
+    {"train/loss": 1.25, "train/top1": 40.5, "val/loss": 1.5, "val/top1": 38.25, "time/epoch_sec": 2.5},
+    {"train/loss": 0.75, "train/top1": 70.125, "val/loss": 0.875, "val/top1": 68.0, "time/epoch_sec": 1.75},
+    {"train/loss": 0.5, "train/top1": 81.0, "val/loss": 0.625, "val/top1": 79.5, "time/epoch_sec": 1.5},
+]
 TEST = {"test/loss": 0.6, "test/top1": 80.0, "test/top5": 99.0}
 HPARAMS = {"strategy": "ddp", "world_size": 2, "lr": 0.1, "amp": False, "model": "tiny_cnn"}
-FINAL = {"test_loss": 0.6, "test_top1": 80.0, "test_top5": 99.0, "best_val_top1": 79.5, "best_epoch": 3,
-         "sec_per_epoch": 1.625, "images_per_sec": None, "val_loss": math.nan}
+FINAL = {
+    "test_loss": 0.6,
+    "test_top1": 80.0,
+    "test_top5": 99.0,
+    "best_val_top1": 79.5,
+    "best_epoch": 3,
+    "sec_per_epoch": 1.625,
+    "images_per_sec": None,
+    "val_loss": math.nan,
+}
 
 
 def conf_dir(tmp_path: Path) -> Path:
@@ -46,8 +57,9 @@ def conf_dir(tmp_path: Path) -> Path:
 def compose_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, shrunk as tests/conftest.py does, with its run dir in tmp_path/run."""
     with initialize_config_dir(str(conf_dir(tmp_path)), version_base="1.3"):
-        cfg = compose("train", overrides=["debug=fast", f"paths.root_dir={ROOT}", f"paths.data_dir={tmp_path}/data",
-                                          *overrides])
+        cfg = compose(
+            "train", overrides=["debug=fast", f"paths.root_dir={ROOT}", f"paths.data_dir={tmp_path}/data", *overrides]
+        )
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "run")
     return cfg
@@ -62,13 +74,16 @@ def log_a_job(loggers: Logger) -> None:
     loggers.close()
 
 
-@pytest.mark.parametrize("override, expected", [
-    (None, {"tensorboard"}),
-    ("logger=csv", {"csv"}),
-    ("logger=[tensorboard,wandb]", {"tensorboard", "wandb"}),
-    ("logger=[tensorboard,wandb,csv]", {"tensorboard", "wandb", "csv"}),
-    ("logger=none", set()),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (None, {"tensorboard"}),
+        ("logger=csv", {"csv"}),
+        ("logger=[tensorboard,wandb]", {"tensorboard", "wandb"}),
+        ("logger=[tensorboard,wandb,csv]", {"tensorboard", "wandb", "csv"}),
+        ("logger=none", set()),
+    ],
+)
 def test_logger_group_composes_one_or_several(tmp_path, override, expected):
     cfg = compose_cfg(tmp_path, *([override] if override else []))
     assert set(cfg.logger) == expected
@@ -99,7 +114,8 @@ def test_tensorboard_scalars_and_hparams_in_one_run(tmp_path):
     acc = EventAccumulator(str(tmp_path / "run" / "tb")).Reload()
     for tag in EPOCHS[0]:
         assert [(e.step, e.value) for e in acc.Scalars(tag)] == [
-            (step, pytest.approx(m[tag], rel=1e-6)) for step, m in enumerate(EPOCHS, 1)]
+            (step, pytest.approx(m[tag], rel=1e-6)) for step, m in enumerate(EPOCHS, 1)
+        ]
     for tag, value in TEST.items():
         assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(3, pytest.approx(value, rel=1e-6))]
     content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
@@ -108,7 +124,8 @@ def test_tensorboard_scalars_and_hparams_in_one_run(tmp_path):
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
     # the final metrics that are not None (NaN is a value), images_per_sec is None: left out
     assert {mi.name.tag for mi in experiment.metric_infos} == {
-        f"hparams/{m}" for m in ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch")}
+        f"hparams/{m}" for m in ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch")
+    }
     assert acc.Scalars("hparams/test_top1")[0].value == pytest.approx(FINAL["test_top1"])
 
 
@@ -149,8 +166,13 @@ def test_csv_one_row_per_epoch_complete_after_each(tmp_path):
 def read_wandb_run(run_dir: Path) -> list[dict]:
     """The records of the job's offline run, read by wandb's own reader of its transaction log."""
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
-                          check=False, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -173,7 +195,10 @@ def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
     records = read_wandb_run(run_dir)
     (run,) = [r["run"] for r in records if r["type"] == "run"]
     assert (run["display_name"], run["run_group"], run["project"]) == (
-        "seed=1,strategy=ddp", "2026-11-26/11-08-53.123456", "ddplab")
+        "seed=1,strategy=ddp",
+        "2026-11-26/11-08-53.123456",
+        "ddplab",
+    )
     config = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
     assert config == OmegaConf.to_container(cfg, resolve=True)
     history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
@@ -188,7 +213,8 @@ def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
         if r["type"] == "summary":
             summary.update(r["summary"].get("update", {}))
     assert {k: summary[f"final/{k}"] for k in ("test_top1", "test_loss", "best_epoch", "sec_per_epoch")} == {
-        k: FINAL[k] for k in ("test_top1", "test_loss", "best_epoch", "sec_per_epoch")}
+        k: FINAL[k] for k in ("test_top1", "test_loss", "best_epoch", "sec_per_epoch")
+    }
     assert "final/images_per_sec" not in summary  # None: not logged
     assert records[-1]["type"] == "exit" and records[-1]["exit"].get("exit_code", 0) == 0
     assert (run_dir / "tb").is_dir()  # and the other logger of the list wrote too
@@ -230,8 +256,9 @@ def test_job_identity_in_a_hydra_app_matches_the_run_dir(tmp_path):
     app.write_text(APP.format(root=str(ROOT), conf=str(conf_dir(tmp_path))))
 
     def run(*args):
-        proc = subprocess.run([sys.executable, str(app), *args], cwd=tmp_path, check=False, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(app), *args], cwd=tmp_path, check=False, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     sweep = tmp_path / "multirun" / "day" / "time"
@@ -277,14 +304,18 @@ class ToyLogger(Logger):
 
 def test_a_new_logger_is_one_class_and_a_target(tmp_path, monkeypatch):
     monkeypatch.setattr(ToyLogger, "calls", [])
-    cfg = compose_cfg(tmp_path, "logger=csv", "seed=7",
-                      f"+logger.toy={{_target_: {__name__}.ToyLogger, prefix: 'toy_'}}")
+    cfg = compose_cfg(
+        tmp_path, "logger=csv", "seed=7", f"+logger.toy={{_target_: {__name__}.ToyLogger, prefix: 'toy_'}}"
+    )
     assert list(cfg.logger) == ["csv", "toy"]
     loggers = build_loggers(cfg, tmp_path / "run")
     log_a_job(loggers)
     loggers.close()  # again, as a `finally` would: closes nothing twice
-    assert ToyLogger.calls == [("init", tmp_path / "run", 7),
-                               *[("toy_metrics", step, m) for step, m in enumerate(EPOCHS, 1)],
-                               ("toy_metrics", 3, TEST), ("toy_hparams", HPARAMS, FINAL), ("close",)]
+    assert ToyLogger.calls == [
+        ("init", tmp_path / "run", 7),
+        *[("toy_metrics", step, m) for step, m in enumerate(EPOCHS, 1)],
+        ("toy_metrics", 3, TEST),
+        ("toy_hparams", HPARAMS, FINAL),
+        ("close",),
+    ]
     assert len(read_csv(tmp_path / "run" / "metrics.csv")[1]) == 3  # the configured csv logger ran alongside
-

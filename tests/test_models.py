@@ -1,4 +1,5 @@
 """The model group's builders (timm, one-line errors) and src/efficiency.py (FLOPs, peaks, MFU, memory)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from src.config import ConfigError
-from src.efficiency import mfu, memory_stats, peak_flops, reset_peak, train_step_flops
+from src.efficiency import memory_stats, mfu, peak_flops, reset_peak, train_step_flops
 from src.models import build_model
 from tests.conftest import run_cli
 
@@ -60,8 +61,9 @@ def test_bad_torchvision_name_is_ddplabs_one_line_error_not_hydras(cfg_factory):
 
 @pytest.mark.parametrize("model", ["torchvision", pytest.param("timm", marks=needs_timm)])
 def test_cli_bad_model_name_is_one_stderr_line(tmp_path, model):
-    proc = run_cli(f"model={model}", "model.name=nope", "trainer.device=cpu", f"hydra.run.dir={tmp_path}/r",
-                   timeout=120)
+    proc = run_cli(
+        f"model={model}", "model.name=nope", "trainer.device=cpu", f"hydra.run.dir={tmp_path}/r", timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "'nope'" in lines[0], proc.stderr
@@ -69,11 +71,19 @@ def test_cli_bad_model_name_is_one_stderr_line(tmp_path, model):
 
 # --- efficiency ---------------------------------------------------------------------------------------------
 
+
 def _conv_net() -> nn.Module:
     # BatchNorm, ReLU and Dropout are elementwise: FlopCounterMode counts them as 0
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.5),
-                         nn.Flatten(), nn.Linear(8 * 8 * 8, 7))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 7),
+    )
 
 
 def test_train_step_flops_matches_a_hand_count():

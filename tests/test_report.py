@@ -5,6 +5,7 @@ Sweeps are built in tmp_path with the real layout (job dirs named like Hydra's o
 numbers with the statistics module. The TensorBoard tests read the event files back with
 TensorBoard's own reader and through a real `tensorboard` server's HTTP API.
 """
+
 import csv
 import json
 import socket
@@ -29,9 +30,15 @@ COMMON = "data.batch_size=128"
 def final_metrics(strategy: str, seed: int) -> dict:
     """Distinct, deterministic numbers for every job."""
     k = {"ddp": 1, "single": 2, "fsdp": 3}[strategy]
-    return {"test_loss": 0.1 * k + 0.013 * seed, "test_top1": 90.0 + k + 0.7 * seed,
-            "test_top5": 99.0 + 0.1 * seed, "best_val_top1": 89.0 + k, "best_epoch": 2,
-            "sec_per_epoch": 1.0 + 0.5 * k - 0.05 * seed, "images_per_sec": 1000.0 * k + 37 * seed}
+    return {
+        "test_loss": 0.1 * k + 0.013 * seed,
+        "test_top1": 90.0 + k + 0.7 * seed,
+        "test_top5": 99.0 + 0.1 * seed,
+        "best_val_top1": 89.0 + k,
+        "best_epoch": 2,
+        "sec_per_epoch": 1.0 + 0.5 * k - 0.05 * seed,
+        "images_per_sec": 1000.0 * k + 37 * seed,
+    }
 
 
 def make_job(sweep: Path, overrides: list, final=None, status="completed") -> Path:
@@ -40,8 +47,9 @@ def make_job(sweep: Path, overrides: list, final=None, status="completed") -> Pa
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if final is not None:
-        (job / "metrics.json").write_text(json.dumps(
-            {"status": status, "final": final, "epochs": [], "hparams": {}, "overrides": overrides}))
+        (job / "metrics.json").write_text(
+            json.dumps({"status": status, "final": final, "epochs": [], "hparams": {}, "overrides": overrides})
+        )
     return job
 
 
@@ -77,14 +85,21 @@ def test_aggregate_means_stds_counts(sweep):
             assert row[f"{m}_std"] == (None if std is None else pytest.approx(std, rel=1e-12))
 
     failed = {d.name: reason for d, reason in report.failed_jobs(report.find_jobs(sweep))}
-    assert failed == {f"{COMMON},seed=3,strategy=ddp": "no metrics.json (crashed, killed or still running)",
-                      f"{COMMON},seed=3,strategy=single": "status=running"}
+    assert failed == {
+        f"{COMMON},seed=3,strategy=ddp": "no metrics.json (crashed, killed or still running)",
+        f"{COMMON},seed=3,strategy=single": "status=running",
+    }
 
 
 def test_cli_writes_md_csv_png(sweep, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "src.report", str(sweep), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.report", str(sweep), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
 
     with open(out / "results.csv", newline="") as f:
@@ -154,8 +169,15 @@ def write_job_events(run_dir: Path, hparams: dict, final: dict) -> None:
     writer.close()
 
 
-HPARAMS = {"strategy": "ddp", "world_size": 2, "lr": 0.1, "amp": False, "model": "tiny_cnn",
-           "milestones": [3, 6], "note": None}
+HPARAMS = {
+    "strategy": "ddp",
+    "world_size": 2,
+    "lr": 0.1,
+    "amp": False,
+    "model": "tiny_cnn",
+    "milestones": [3, 6],
+    "note": None,
+}
 
 
 def test_hparams_in_the_job_event_file(tmp_path):
@@ -179,13 +201,22 @@ def test_hparams_in_the_job_event_file(tmp_path):
     start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
     values = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
     # numbers are numbers; bools and anything else (list, None) are strings
-    assert values == {"strategy": "ddp", "world_size": 2.0, "lr": 0.1, "amp": "False", "model": "tiny_cnn",
-                      "milestones": "[3, 6]", "note": "None"}
+    assert values == {
+        "strategy": "ddp",
+        "world_size": 2.0,
+        "lr": 0.1,
+        "amp": "False",
+        "model": "tiny_cnn",
+        "milestones": "[3, 6]",
+        "note": "None",
+    }
     assert isinstance(values["amp"], str) and isinstance(values["world_size"], float)
 
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
-    tags = {f"hparams/{m}" for m in ("test_loss", "test_top1", "test_top5", "best_val_top1",
-                                      "sec_per_epoch", "images_per_sec")}
+    tags = {
+        f"hparams/{m}"
+        for m in ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch", "images_per_sec")
+    }
     assert {mi.name.tag for mi in experiment.metric_infos} == tags
     assert {hi.name for hi in experiment.hparam_infos} == set(HPARAMS)
     for tag in tags:
@@ -217,9 +248,24 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "tensorboard.log", "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
-             "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--load_fast",
+                "false",
+                "--reload_interval",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline, seen = time.monotonic() + 30, None
             while time.monotonic() < deadline and server.poll() is None:
@@ -240,10 +286,16 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
             assert {h["name"] for h in experiment["hparamInfos"]} == set(HPARAMS)
             assert "hparams/test_top1" in {m["name"]["tag"] for m in experiment["metricInfos"]}
 
-            groups = _http(f"{base}/data/plugin/hparams/session_groups", {
-                "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
-                                                          "STATUS_RUNNING"],
-                "colParams": [], "startIndex": 0, "sliceSize": 100})
+            groups = _http(
+                f"{base}/data/plugin/hparams/session_groups",
+                {
+                    "experimentName": "",
+                    "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+                    "colParams": [],
+                    "startIndex": 0,
+                    "sliceSize": 100,
+                },
+            )
             assert groups["totalSize"] == 2
             for group in groups["sessionGroups"]:
                 (session,) = group["sessions"]

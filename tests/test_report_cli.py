@@ -4,6 +4,7 @@
 Jobs are written with train.py's layout: `.hydra/overrides.yaml`, `.hydra/hydra.yaml` (Hydra's config group
 choices), and `metrics.json` with final metrics, hparams and the resolved config.
 """
+
 import csv
 import json
 import os
@@ -21,13 +22,23 @@ from src import report
 from tests.conftest import ROOT
 
 CHOICES = {"model": "resnet18", "optim": "sgd", "scheduler": "cosine"}
-CONFIG = {"model": {"_target_": "src.models.cifar_resnet18"}, "trainer": {"max_epochs": 10},
-          "optim": {"_target_": "torch.optim.SGD"}, "scheduler": {"_target_": "src.optim.warmup_cosine"}}
+CONFIG = {
+    "model": {"_target_": "src.models.cifar_resnet18"},
+    "trainer": {"max_epochs": 10},
+    "optim": {"_target_": "torch.optim.SGD"},
+    "scheduler": {"_target_": "src.optim.warmup_cosine"},
+}
 
 
 def final(top1: float, extra=None) -> dict:
-    return {"test_loss": 0.3, "test_top1": top1, "test_top5": 99.5, "sec_per_epoch": 2.0,
-            "images_per_sec": 25000.0 + 100 * top1, **(extra or {})}
+    return {
+        "test_loss": 0.3,
+        "test_top1": top1,
+        "test_top5": 99.5,
+        "sec_per_epoch": 2.0,
+        "images_per_sec": 25000.0 + 100 * top1,
+        **(extra or {}),
+    }
 
 
 def make_job(sweep, overrides, metrics=None, choices=CHOICES, config=CONFIG, hparams=None):
@@ -38,8 +49,11 @@ def make_job(sweep, overrides, metrics=None, choices=CHOICES, config=CONFIG, hpa
     if choices is not None:
         (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
     if metrics is not None:
-        (job / "metrics.json").write_text(json.dumps({"status": "completed", "final": metrics, "config": config,
-                                                      "hparams": hparams or {"world_size": 1}}))
+        (job / "metrics.json").write_text(
+            json.dumps(
+                {"status": "completed", "final": metrics, "config": config, "hparams": hparams or {"world_size": 1}}
+            )
+        )
     return job
 
 
@@ -83,8 +97,9 @@ def test_no_argument_reports_the_newest_sweep_that_has_results(tmp_path):
     assert report.newest_sweep(tmp_path / "multirun") == newest_done
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "src.report"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.report"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "report: the newest sweep with results: multirun/2025-01-02/09-00-00.000001\n"
     assert (newest_done / "results.md").read_text() == proc.stdout.split("wrote ")[0].rstrip("\n") + "\n"
@@ -92,9 +107,23 @@ def test_no_argument_reports_the_newest_sweep_that_has_results(tmp_path):
 
     # make report without SWEEP= does the same (-o: the venv is there, do not reinstall)
     (newest_done / "results.md").unlink()
-    make = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-o", str(ROOT / ".venv" / ".installed"),
-                           f"VENV={ROOT / '.venv'}", "report"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    make = subprocess.run(
+        [
+            "make",
+            "-s",
+            "-f",
+            str(ROOT / "Makefile"),
+            "-o",
+            str(ROOT / ".venv" / ".installed"),
+            f"VENV={ROOT / '.venv'}",
+            "report",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert make.returncode == 0, make.stderr
     assert "the newest sweep with results: multirun/2025-01-02/09-00-00.000001" in make.stderr
     assert (newest_done / "results.md").is_file() and not (running / "results.md").exists()
@@ -114,15 +143,21 @@ PERF = {"peak_mem_gb": 3.5, "tflops_per_gpu": 120.0, "mfu": 0.4}
 def test_optional_metric_and_setting_columns(tmp_path):
     for seed in (1, 2):  # ddp reports the optional metrics, single does not (an older job)
         extra = {k: v + seed for k, v in PERF.items()}
-        make_job(tmp_path, ["strategy=ddp", f"seed={seed}"], final(98.0 + seed, extra),
-                 hparams={"world_size": 2, "model": "cifar_resnet18", "peak_mem_gb": 9, "milestones": [1, 2]})
+        make_job(
+            tmp_path,
+            ["strategy=ddp", f"seed={seed}"],
+            final(98.0 + seed, extra),
+            hparams={"world_size": 2, "model": "cifar_resnet18", "peak_mem_gb": 9, "milestones": [1, 2]},
+        )
         make_job(tmp_path, ["strategy=single", f"seed={seed}"], final(97.0 + seed))
     report.main([str(tmp_path)])
 
     md = (tmp_path / "results.md").read_text()
     assert "Settings common to all rows: `max_epochs=10`, `optimizer=sgd`, `scheduler=cosine`" in md
-    head = ("| configuration | model | world_size | n | failed | test_loss | test_top1 | test_top5 | sec_per_epoch "
-            "| images_per_sec | peak_mem_gb | tflops_per_gpu | mfu |")
+    head = (
+        "| configuration | model | world_size | n | failed | test_loss | test_top1 | test_top5 | sec_per_epoch "
+        "| images_per_sec | peak_mem_gb | tflops_per_gpu | mfu |"
+    )
     assert head in md
     ddp_perf = " | ".join(f"{PERF[k] + 1.5:{report.FORMATS[k]}} ± {0.7071:{report.FORMATS[k]}}" for k in PERF)
     assert "| `strategy=ddp` | resnet18 | 2 | 2 | 0 |" in md and md.count(ddp_perf + " |") == 1
@@ -140,8 +175,14 @@ def test_columns_absent_when_no_job_reports_them(tmp_path):
     """No optional metrics, no hydra.yaml: the setting names come from the resolved config's targets."""
     for epochs in (10, 20):
         config = {**CONFIG, "trainer": {"max_epochs": epochs}}
-        make_job(tmp_path, [f"trainer.max_epochs={epochs}", "seed=1"], final(98.0), choices=None, config=config,
-                 hparams={"world_size": 1, "model": "cifar_resnet18"})
+        make_job(
+            tmp_path,
+            [f"trainer.max_epochs={epochs}", "seed=1"],
+            final(98.0),
+            choices=None,
+            config=config,
+            hparams={"world_size": 1, "model": "cifar_resnet18"},
+        )
     report.main([str(tmp_path)])
     md = (tmp_path / "results.md").read_text()
     assert "| configuration | model | max_epochs | n | failed | test_loss |" in md
@@ -154,8 +195,16 @@ def test_columns_absent_when_no_job_reports_them(tmp_path):
 
 def test_settings_from_hparams_then_hydra_choices(tmp_path):
     """Jobs that record the settings in hparams (no .hydra/hydra.yaml, no config); model=torchvision by name."""
-    hparams = {"world_size": 4, "model": "resnet9", "optim": "adamw", "scheduler": "onecycle", "max_epochs": 40,
-               "threads": 2, "processes": 1, "sync_bn": False}  # extra keys are ignored
+    hparams = {
+        "world_size": 4,
+        "model": "resnet9",
+        "optim": "adamw",
+        "scheduler": "onecycle",
+        "max_epochs": 40,
+        "threads": 2,
+        "processes": 1,
+        "sync_bn": False,
+    }  # extra keys are ignored
     make_job(tmp_path, ["+tag=a", "seed=1"], final(98.0), choices=None, config=None, hparams=hparams)
     config = {**CONFIG, "model": {"_target_": "src.models.torchvision_classifier", "name": "resnet50"}}
     make_job(tmp_path, ["+tag=b", "seed=1"], final(98.0), choices={**CHOICES, "model": "torchvision"}, config=config)
@@ -178,9 +227,23 @@ def test_make_tensorboard_serves_outputs_and_multirun_on_port(tmp_path):
         with SummaryWriter(tmp_path / run) as writer:
             writer.add_scalar("train/loss", 1.0, 1)
     port = _free_port()
-    server = subprocess.Popen(["make", "-s", "-f", str(ROOT / "Makefile"), "-o", str(ROOT / ".venv" / ".installed"),
-                               f"VENV={ROOT / '.venv'}", f"PORT={port}", "tensorboard"], cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            "make",
+            "-s",
+            "-f",
+            str(ROOT / "Makefile"),
+            "-o",
+            str(ROOT / ".venv" / ".installed"),
+            f"VENV={ROOT / '.venv'}",
+            f"PORT={port}",
+            "tensorboard",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline, runs = time.monotonic() + 60, set()
         while time.monotonic() < deadline and server.poll() is None and runs != expected:

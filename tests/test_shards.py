@@ -1,5 +1,6 @@
 """Packed shards (src/shards.py): the same labels, classes and bytes as the folder they were packed from, read in
 few large reads, the same batches as the folder, one-line errors, and a training run on them."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,16 @@ def packed(tmp_path):
 
 
 def shard_cfg(tmp_path, root, *overrides):
-    return make_cfg(tmp_path, "data=shards", f"data.root={root}", "data.image_size=16", "data.val_fraction=0",
-                    "data.augment=random_resized_crop", "data.num_workers=0", *overrides)
+    return make_cfg(
+        tmp_path,
+        "data=shards",
+        f"data.root={root}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "data.augment=random_resized_crop",
+        "data.num_workers=0",
+        *overrides,
+    )
 
 
 def test_round_trip_same_labels_classes_and_bytes(tmp_path, packed):
@@ -66,8 +75,15 @@ def test_contiguous_samples_are_one_read(tmp_path, packed, monkeypatch):
 
 def test_shards_give_the_folders_batches(tmp_path, packed):
     folder, root = packed
-    on_folder = make_cfg(tmp_path, "data=imagefolder", f"data.root={folder}", "data.image_size=16",
-                         "data.val_fraction=0", "data.augment=random_resized_crop", "data.num_workers=0")
+    on_folder = make_cfg(
+        tmp_path,
+        "data=imagefolder",
+        f"data.root={folder}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "data.augment=random_resized_crop",
+        "data.num_workers=0",
+    )
     for decode in ("gpu", "cpu"):
         got = []
         for cfg in (shard_cfg(tmp_path, root, f"data.decode={decode}"), on_folder):
@@ -93,10 +109,17 @@ def test_max_side_reencodes_only_larger_images(tmp_path, packed):
 
 def test_bad_packs_and_commands_are_one_line(tmp_path, packed):
     folder, root = packed
-    proc = subprocess.run([sys.executable, "-m", "src.shards", "pack", str(folder), str(root)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {root} is not empty; pack into a new folder " \
-                                                          "(or remove this one)"
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.shards", "pack", str(folder), str(root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: {root} is not empty; pack into a new folder (or remove this one)"
+    )
     with pytest.raises(ConfigError, match=rf"^data.root: {tmp_path} holds no packed shards \(no meta.json\)"):
         load_data(shard_cfg(tmp_path, tmp_path).data)
     (folder / "train/a/1.png").write_bytes(b"broken")

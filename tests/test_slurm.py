@@ -9,6 +9,7 @@
 
 docs/slurm.md has the user commands and the measured timings. Every wait here is bounded.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,15 +25,26 @@ import pytest
 
 from tests.conftest import ROOT, read_metrics, run_cli
 
-pytestmark = pytest.mark.slurm   # fixtures slurm_cluster / slurm_env come from tests/conftest.py
+pytestmark = pytest.mark.slurm  # fixtures slurm_cluster / slurm_env come from tests/conftest.py
 
 # cluster=slurm* presets are written for GPU partitions; the test cluster has 2 CPU-only nodes of 4 CPUs
-CPU_CLUSTER = ("cluster.gpus_per_node=null", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1",
-               "cluster.timeout_min=5", "cluster.partition=debug", "trainer.device=cpu")
+CPU_CLUSTER = (
+    "cluster.gpus_per_node=null",
+    "cluster.tasks_per_node=1",
+    "cluster.cpus_per_task=1",
+    "cluster.timeout_min=5",
+    "cluster.partition=debug",
+    "trainer.device=cpu",
+)
 FAST = ("debug=fast",)
 # long enough (12 epochs x 39 steps, ~0.35 s per epoch on 2 cores) to be signalled mid-training
-LONG = ("debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=12", "data.batch_size=32",
-        "trainer.deterministic=true")
+LONG = (
+    "debug=fast",
+    "trainer.limit_train_batches=null",
+    "trainer.max_epochs=12",
+    "data.batch_size=32",
+    "trainer.deterministic=true",
+)
 FINAL_KEYS = ("test_loss", "test_top1", "test_top5", "best_val_top1")
 
 
@@ -66,9 +78,10 @@ def _assert_one_writer(job_dir: Path, ranks: int, attempts: int = 1) -> None:
     """Only rank 0 wrote artifacts; rank k>0 wrote its train_rank<k>.log and nothing else."""
     logs = [f"train_rank{k}.log" for k in range(1, ranks)]
     assert sorted(p.name for p in job_dir.iterdir()) == sorted(
-        [".hydra", ".lock", "checkpoints", "metrics.json", "tb", "train.log", *logs])  # .lock: rank 0's run-dir lock
+        [".hydra", ".lock", "checkpoints", "metrics.json", "tb", "train.log", *logs]
+    )  # .lock: rank 0's run-dir lock
     assert sorted(p.name for p in (job_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
-    assert len(list((job_dir / "tb").iterdir())) == attempts     # rank 0's writer, one event file per start
+    assert len(list((job_dir / "tb").iterdir())) == attempts  # rank 0's writer, one event file per start
     # each rank's Hydra logging went to its own file (the resolvers ran per rank, not from the submitter's cache)
     for name in ("train.log", *logs):
         assert (job_dir / name).read_text().count("Exiting after successful completion") == 1, name
@@ -109,19 +122,29 @@ def local_ddp(tmp_path_factory):
 
 BAD_LAYOUTS = {  # overrides -> the start of the one-line error
     ("cluster=slurm", "strategy=single"): "strategy=single runs one process but the job has 8 tasks",
-    ("cluster=slurm", "cluster.gpus_per_node=2", "cluster.tasks_per_node=4"):
-        "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
+    (
+        "cluster=slurm",
+        "cluster.gpus_per_node=2",
+        "cluster.tasks_per_node=4",
+    ): "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
     ("cluster=local_tasks", "cluster.nodes=2"): "cluster.nodes=2 with submitit's local executor",
 }
 
 
 def test_bad_layouts_are_refused_before_submission(tmp_path):
     procs = {}
-    for i, overrides in enumerate(BAD_LAYOUTS):   # all at once: each is mostly Python start-up
+    for i, overrides in enumerate(BAD_LAYOUTS):  # all at once: each is mostly Python start-up
         sweep = tmp_path / f"sweep{i}"
-        procs[overrides] = sweep, subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.sweep.dir={sweep}"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[overrides] = (
+            sweep,
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.sweep.dir={sweep}"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
     for overrides, (sweep, proc) in procs.items():
         try:
             _, err = proc.communicate(timeout=120)
@@ -132,7 +155,7 @@ def test_bad_layouts_are_refused_before_submission(tmp_path):
         lines = err.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (overrides, err[-2000:])
         assert BAD_LAYOUTS[overrides] in lines[0] and "HINT" in lines[0], lines
-        assert not (sweep / ".submitit").exists() and not sweep.exists()   # nothing submitted
+        assert not (sweep / ".submitit").exists() and not sweep.exists()  # nothing submitted
 
 
 def _assert_job_equals_local_ddp(sweep, local_ddp):
@@ -146,6 +169,7 @@ def _assert_job_equals_local_ddp(sweep, local_ddp):
 
 # --- 1. the multi-task code path without SLURM ------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_submitit_local_two_tasks_equal_local_ddp(tmp_path, local_ddp):
     local_ddp.start(*FAST)
@@ -157,6 +181,7 @@ def test_submitit_local_two_tasks_equal_local_ddp(tmp_path, local_ddp):
 
 # --- 2. a real 2-node job -------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_two_node_job_equals_local_ddp(slurm_env, tmp_path, local_ddp):
     sweep = tmp_path / "sweep"
@@ -167,12 +192,13 @@ def test_two_node_job_equals_local_ddp(slurm_env, tmp_path, local_ddp):
     nodes = slurm_env.run("sacct", "-j", job, "-X", "-n", "-P", "-o", "NodeList").stdout.split()
     assert nodes == ["node[1-2]"], nodes
     logs = sweep / ".submitit" / job
-    for rank in (0, 1):   # each task's submitit log: <sweep>/.submitit/<job>/<job>_<task>_log.out
+    for rank in (0, 1):  # each task's submitit log: <sweep>/.submitit/<job>/<job>_<task>_log.out
         assert f"node={rank}(2), global_rank={rank}(2)" in (logs / f"{job}_{rank}_log.out").read_text()
     _assert_job_equals_local_ddp(sweep, local_ddp)
 
 
 # --- 3. a seed sweep ------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
@@ -181,7 +207,7 @@ def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     [sweep] = list((tmp_path / "multirun").glob("*/*"))
     jobs = _job_ids(sweep)
-    assert len(jobs) == 2 and all("_" in j for j in jobs), jobs     # one array, one task per sweep point
+    assert len(jobs) == 2 and all("_" in j for j in jobs), jobs  # one array, one task per sweep point
     for job in jobs:
         assert slurm_env.wait_job(job, timeout=30) == "COMPLETED"
     dirs = _job_dirs(sweep)
@@ -197,6 +223,7 @@ def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
 
 # --- 4. preemption / time-out: SIGUSR2 -> checkpoint -> requeue -> resume ---------------------------
 
+
 def _task_pids(job: str, rank: int) -> list[int]:
     """PIDs of SLURM task `rank` of `job` running submitit's worker (all nodes are on this host)."""
     pids = []
@@ -208,8 +235,11 @@ def _task_pids(job: str, rank: int) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if (f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env
-                and b"submitit.core._submit" in cmdline):
+        if (
+            f"SLURM_JOB_ID={job}".encode() in env
+            and f"SLURM_PROCID={rank}".encode() in env
+            and b"submitit.core._submit" in cmdline
+        ):
             pids.append(int(entry))
     return pids
 
@@ -219,17 +249,28 @@ def _interrupt_and_resume(slurm_env, tmp_path: Path, local_ddp, send_signal) -> 
     resumed to the uninterrupted result. Returns rank 0's train.log."""
     sweep = tmp_path / "sweep"
     submit_log = tmp_path / "submit.log"
-    cmd = [sys.executable, str(ROOT / "train.py"), "cluster=slurm_2nodes", *CPU_CLUSTER, *LONG,
-           f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "cluster=slurm_2nodes",
+        *CPU_CLUSTER,
+        *LONG,
+        f"hydra.sweep.dir={sweep}",
+    ]
     job = None
-    local_ddp.start(*LONG)   # the uninterrupted reference, meanwhile
+    local_ddp.start(*LONG)  # the uninterrupted reference, meanwhile
     with submit_log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
     try:
         # the end of epoch 1 writes last.pt: the job is training, our handler is in place
-        _wait_until(lambda: proc.poll() is not None or next(sweep.glob("*/checkpoints/last.pt"), None), 150,
-                    "checkpoints/last.pt of epoch 1", every=0.05)
+        _wait_until(
+            lambda: proc.poll() is not None or next(sweep.glob("*/checkpoints/last.pt"), None),
+            150,
+            "checkpoints/last.pt of epoch 1",
+            every=0.05,
+        )
         assert proc.poll() is None, submit_log.read_text()[-3000:]
         [job] = _job_ids(sweep)
         send_signal(job)
@@ -251,28 +292,29 @@ def _interrupt_and_resume(slurm_env, tmp_path: Path, local_ddp, send_signal) -> 
     [job_dir] = _job_dirs(sweep)
     log = (job_dir / "train.log").read_text()
     saved = re.search(rf"signal {int(signal.SIGUSR2)}: saved checkpoints/last.pt in \S+ at epoch (\d+) step (\d+)", log)
-    assert saved and int(saved[1]) >= 2 and int(saved[2]) >= 1, log[-3000:]   # mid-training, mid-epoch
+    assert saved and int(saved[1]) >= 2 and int(saved[2]) >= 1, log[-3000:]  # mid-training, mid-epoch
     assert "Requeued job" in log and "resumed from" in log, log[-3000:]
     got, want = read_metrics(job_dir), local_ddp(*LONG)
     _assert_same_final(got, want)
     # the interrupted epoch too: its partial train sums (all ranks') came back from the checkpoint
-    assert [r["train_loss"] for r in got["epochs"]] == pytest.approx([r["train_loss"] for r in want["epochs"]],
-                                                                      rel=1e-6)
-    _assert_one_writer(job_dir, ranks=2, attempts=2)   # the requeued start opened a second event file
+    assert [r["train_loss"] for r in got["epochs"]] == pytest.approx(
+        [r["train_loss"] for r in want["epochs"]], rel=1e-6
+    )
+    _assert_one_writer(job_dir, ranks=2, attempts=2)  # the requeued start opened a second event file
     return log
 
 
 @pytest.mark.slow
 def test_usr2_requeues_and_resumes_to_the_uninterrupted_result(slurm_env, tmp_path, local_ddp):
     # what SLURM sends every task signal_delay_s before the time limit (sbatch --signal=USR2@120)
-    _interrupt_and_resume(slurm_env, tmp_path, local_ddp,
-                          lambda job: slurm_env.run("scancel", "--signal=USR2", job))
+    _interrupt_and_resume(slurm_env, tmp_path, local_ddp, lambda job: slurm_env.run("scancel", "--signal=USR2", job))
 
 
 @pytest.mark.slow
 def test_usr2_on_rank_1_only_still_requeues_from_rank_0(slurm_env, tmp_path, local_ddp):
     """srun delivers the signal task by task: rank 0 (the one submitit requeues from) may not have it yet
     when the ranks agree to stop. Here it never gets it."""
+
     def signal_rank_1(job: str) -> None:
         pids = _task_pids(job, rank=1)
         assert pids, f"no process of task 1 of job {job}"
@@ -280,4 +322,4 @@ def test_usr2_on_rank_1_only_still_requeues_from_rank_0(slurm_env, tmp_path, loc
             os.kill(pid, signal.SIGUSR2)
 
     log = _interrupt_and_resume(slurm_env, tmp_path, local_ddp, signal_rank_1)
-    assert "Caught signal SIGUSR2 on" in log   # rank 0 handed the agreed signal to submitit's handler
+    assert "Caught signal SIGUSR2 on" in log  # rank 0 handed the agreed signal to submitit's handler

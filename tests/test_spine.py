@@ -1,4 +1,5 @@
 """The spine on one process: CLI, default run, exact metrics, checkpoints, resume, data, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ from src.datasets import load_data
 from src.launch import main as launch
 from src.models import build_model
 from src.trainer import train
-from tests.conftest import (CIFAR_JPEG_ZIP, ROOT, assert_compiled_loader_augments_like_eager, read_metrics,
-                            run_cli, weights)
+from tests.conftest import (
+    CIFAR_JPEG_ZIP,
+    ROOT,
+    assert_compiled_loader_augments_like_eager,
+    read_metrics,
+    run_cli,
+    weights,
+)
 
 
 def test_cli_trains_and_writes_run_dir(tmp_path):
@@ -41,7 +48,11 @@ def test_cli_trains_and_writes_run_dir(tmp_path):
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     log = (run_dir / "train.log").read_text()
     assert "global batch 128 = 128 per device" in log
-    assert "epoch 2/2  train loss" in log and "| val loss" in log and "| test loss" not in log.split("epoch 2/2")[1].split("\n")[0]
+    assert (
+        "epoch 2/2  train loss" in log
+        and "| val loss" in log
+        and "| test loss" not in log.split("epoch 2/2")[1].split("\n")[0]
+    )
 
 
 def test_epoch_line_shows_only_the_splits_evaluated(cfg_factory, caplog):
@@ -69,8 +80,11 @@ def test_default_run_reaches_95_percent_on_digits(tmp_path):
 
 @pytest.mark.parametrize("flip_tta,shift", [(False, 0), (True, 0), (True, 1)])
 def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory, flip_tta, shift):
-    cfg = cfg_factory("data.eval_batch_size=7", f"trainer.flip_tta={str(flip_tta).lower()}",  # 51 batches + 3
-                      f"trainer.tta_shift={shift}")
+    cfg = cfg_factory(
+        "data.eval_batch_size=7",
+        f"trainer.flip_tta={str(flip_tta).lower()}",  # 51 batches + 3
+        f"trainer.tta_shift={shift}",
+    )
     metrics = train(cfg)
     data = load_data(cfg.data)
     model = build_model(cfg.model, data.num_classes, data.channels)
@@ -82,7 +96,7 @@ def test_evaluation_is_exact_sum_over_every_sample(tmp_path, cfg_factory, flip_t
     views = [x]
     if shift:  # numpy's reflect padding, cropped at the top-left and bottom-right corners
         padded = torch.from_numpy(np.pad(x.numpy(), ((0, 0), (0, 0), (shift, shift), (shift, shift)), mode="reflect"))
-        views += [padded[:, :, :h, :w], padded[:, :, 2 * shift:, 2 * shift:]]
+        views += [padded[:, :, :h, :w], padded[:, :, 2 * shift :, 2 * shift :]]
     if flip_tta:  # one image at a time, mirrored by explicit column indexing
         views += [torch.stack([img[:, :, list(range(w - 1, -1, -1))] for img in v]) for v in views]
     with torch.no_grad():
@@ -126,13 +140,23 @@ def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
 
 
 def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
-    args = ["debug=fast", "trainer.limit_train_batches=null", "trainer.max_epochs=4", "trainer.deterministic=true",
-            "data.batch_size=32"]
+    args = [
+        "debug=fast",
+        "trainer.limit_train_batches=null",
+        "trainer.max_epochs=4",
+        "trainer.deterministic=true",
+        "data.batch_size=32",
+    ]
     straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
     assert straight.returncode == 0, straight.stderr[-2000:]
     run_dir = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -149,6 +173,7 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
 
 
 # --- data ---------------------------------------------------------------------------------------
+
 
 def _write_tree(root: Path, classes=("cat", "dog", "emu"), per_class=(7, 5), size=(12, 10)):
     from PIL import Image
@@ -196,8 +221,16 @@ def test_resnet9_shape_and_size():
 
     model = build_model(OmegaConf.load(ROOT / "conf/model/resnet9.yaml"), num_classes=10, in_channels=3)
     w = 64  # conv weights 3x3 (no bias) + BatchNorm weight and bias per conv, bias-free linear head
-    convs = [(3, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 8 * w), (8 * w, 8 * w),
-             (8 * w, 8 * w)]
+    convs = [
+        (3, w),
+        (w, 2 * w),
+        (2 * w, 2 * w),
+        (2 * w, 2 * w),
+        (2 * w, 4 * w),
+        (4 * w, 8 * w),
+        (8 * w, 8 * w),
+        (8 * w, 8 * w),
+    ]
     expected = sum(9 * cin * cout + 2 * cout for cin, cout in convs) + 8 * w * 10
     assert sum(p.numel() for p in model.parameters()) == expected
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
@@ -222,7 +255,7 @@ def test_crop_flip_matches_a_per_image_reference(pad_mode, np_mode):
     params = torch.tensor([[0, 0, 0], [8, 8, 1], [4, 4, 0], [1, 7, 1], [3, 2, 0]])
     out = crop_flip(images, params, pad_mode=pad_mode)
     for img, (oy, ox, flip), got in zip(images, params.tolist(), out):
-        ref = torch.from_numpy(np.pad(img.numpy(), ((0, 0), (4, 4), (4, 4)), mode=np_mode))[:, oy:oy + 6, ox:ox + 7]
+        ref = torch.from_numpy(np.pad(img.numpy(), ((0, 0), (4, 4), (4, 4)), mode=np_mode))[:, oy : oy + 6, ox : ox + 7]
         assert torch.equal(got, ref.flip(-1) if flip else ref)
 
 
@@ -253,7 +286,9 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut, pad_m
     steps = plan_epoch(len(data.train), 16, 1, 0, 2, seed=3, epoch=1)
     cpu = torch.device("cpu")
     a = list(DeviceLoader(data, cpu, False, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
-    b = list(ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
+    b = list(
+        ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1)
+    )
     assert len(a) == len(b) == 2 * len(steps)
     for x, y in zip(a, b):
         assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.boundary == y.boundary
@@ -265,8 +300,9 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut, pad_m
 def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory, pad_mode):
     """trainer.compile also compiles the gpu loader's augmentation: same pixels, same layout."""
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
-    assert_compiled_loader_augments_like_eager(data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5,
-                                               pad_mode=pad_mode)
+    assert_compiled_loader_augments_like_eager(
+        data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5, pad_mode=pad_mode
+    )
 
 
 def test_normalize_lookup_equals_the_arithmetic():
@@ -295,7 +331,7 @@ def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
     fresh = {e: list(DeviceLoader(data, torch.device("cpu"), False, seed=3).train_batches(plans[e], e)) for e in (1, 2)}
     loader = DeviceLoader(data, torch.device("cpu"), False, seed=3)
     loader.prepare(plans[2], 2)
-    stale = list(loader.train_batches(plans[1], 1))   # prepared for epoch 2: epoch 1 must not use it
+    stale = list(loader.train_batches(plans[1], 1))  # prepared for epoch 2: epoch 1 must not use it
     loader.prepare(plans[2], 2)
     ahead = list(loader.train_batches(plans[2], 2))
     for got, want in ((stale, fresh[1]), (ahead, fresh[2])):
@@ -362,11 +398,15 @@ def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
 
 # --- bad input: one line, exit 2, nothing written ------------------------------------------------
 
-@pytest.mark.parametrize("override, message", [
-    ("model=nope", "Could not find 'model/nope'"),
-    ("data.batch_size=101", "data.batch_size=101 (global) is not divisible"),
-    ("trainer.max_epochs=two", "trainer.max_epochs must be a positive integer"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model=nope", "Could not find 'model/nope'"),
+        ("data.batch_size=101", "data.batch_size=101 (global) is not divisible"),
+        ("trainer.max_epochs=two", "trainer.max_epochs must be a positive integer"),
+    ],
+)
 def test_bad_cli_input_is_one_line_before_anything_runs(tmp_path, override, message):
     proc = run_cli("debug=fast", "strategy=ddp", "trainer.devices=2", override, f"hydra.run.dir={tmp_path}/r")
     assert proc.returncode != 0
@@ -404,18 +444,25 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("strategy=ddp", "trainer.devices=999"), "only 2 CPU core(s) are available"),
         (("data.batch_size=10", "trainer.accumulate_grad_batches=3"), "not divisible"),
         (("trainer.amp=yes",), "trainer.amp must be true or false"),
-        (("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"), "strategy.comm_hook must be one of none, fp16, bf16"),
+        (
+            ("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"),
+            "strategy.comm_hook must be one of none, fp16, bf16",
+        ),
         (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
         (("data.cutout=4",), "data.cutout=4 needs data.augment=crop_flip, got 'none'"),
         (("data.pad_mode=mirror",), "data.pad_mode must be zeros or reflect, got 'mirror'"),
         (("trainer.tta_shift=-1",), "trainer.tta_shift must be an integer >= 0"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
-        (("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
-         "works with strategy=single or ddp, not fsdp"),
+        (
+            ("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
+            "works with strategy=single or ddp, not fsdp",
+        ),
         (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
         (("strategy=ddp", "trainer.devices=2", "strategy.gradient_sync=hooks"), "strategy.gradient_sync must be"),
-        (("trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.accumulate_grad_batches=2"),
-         "cannot accumulate gradients over trainer.accumulate_grad_batches=2"),
+        (
+            ("trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.accumulate_grad_batches=2"),
+            "cannot accumulate gradients over trainer.accumulate_grad_batches=2",
+        ),
         (("trainer.amp=true", "trainer.amp_dtype=fp16"), "fp16 needs a CUDA GPU"),
     ]
     if torch.cuda.is_available():
@@ -426,6 +473,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="matches no module"):
         from src.strategies import shard_targets
+
         shard_targets(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["Conv2d"])
 
 
@@ -486,8 +534,16 @@ def test_no_validation_split_keeps_the_last_epoch_and_tracks_test_every_epoch(tm
 
 def test_compiled_loop_trains_like_eager(cfg_factory, tmp_path):
     """trainer.compile compiles the model, the objective and the gpu loader's augmentation (here on CPU)."""
-    common = ("data=synthetic", "data.augment=crop_flip", "data.loader=gpu", "data.cutout=4", "trainer.label_smoothing=0.1",
-              "scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=3")
+    common = (
+        "data=synthetic",
+        "data.augment=crop_flip",
+        "data.loader=gpu",
+        "data.cutout=4",
+        "trainer.label_smoothing=0.1",
+        "scheduler=constant",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=3",
+    )
     eager = train(cfg_factory(*common, sub="eager"))
     compiled = train(cfg_factory(*common, "trainer.compile=true", sub="compiled"))
     assert compiled["test_count"] == eager["test_count"] > 0
@@ -513,8 +569,12 @@ def test_flat_gradient_buffer_keeps_each_layout(layout):
     from src.strategies import _flat_layout_strides
 
     base = torch.randn(4, 6, 5, 3)
-    t = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
-         "permuted": base.permute(2, 0, 3, 1), "strided_slice": base[:, ::2]}[layout]
+    t = {
+        "contiguous": base,
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "permuted": base.permute(2, 0, 3, 1),
+        "strided_slice": base[:, ::2],
+    }[layout]
     flat = torch.zeros(t.numel() + 3)
     view = flat.as_strided(t.shape, _flat_layout_strides(t), 3)
     view.copy_(t)

@@ -1,4 +1,5 @@
 """Strategies on CPU over gloo: ddp and fsdp compute what single computes; exact evaluation; faults; torchrun."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,13 @@ from tests.conftest import ROOT, read_metrics, run_cli
 pytestmark = pytest.mark.slow
 
 # A no-BatchNorm model, a constant LR and 4 optimizer steps of a 64-sample global batch.
-SAME_STEPS = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1",
-              "trainer.limit_train_batches=4", "data.batch_size=64")
+SAME_STEPS = (
+    "model.batch_norm=false",
+    "scheduler=constant",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=4",
+    "data.batch_size=64",
+)
 
 
 def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
@@ -58,19 +64,45 @@ def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA GPUs")
 def test_ddp_sync_bn_matches_single_with_batchnorm(single_reference, cfg_factory, tmp_path):
     gpu = ("trainer.device=cuda", "trainer.deterministic=true")
-    train(cfg_factory("scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
-                      "data.batch_size=64", *gpu, sub="single"))
-    launch(cfg_factory("scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
-                       "data.batch_size=64", "strategy=ddp", "strategy.sync_bn=true", "trainer.devices=2", *gpu))
-    assert_same_weights(tmp_path / "single/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt",
-                        rtol=1e-3, atol=1e-5)
+    train(
+        cfg_factory(
+            "scheduler=constant",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=4",
+            "data.batch_size=64",
+            *gpu,
+            sub="single",
+        )
+    )
+    launch(
+        cfg_factory(
+            "scheduler=constant",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=4",
+            "data.batch_size=64",
+            "strategy=ddp",
+            "strategy.sync_bn=true",
+            "trainer.devices=2",
+            *gpu,
+        )
+    )
+    assert_same_weights(
+        tmp_path / "single/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt", rtol=1e-3, atol=1e-5
+    )
     assert read_metrics(tmp_path / "run")["final"]["bn_buffers_in_sync"] is True
 
 
 @pytest.mark.parametrize("sync", ["reducer", "after_backward"])
 def test_ddp_accumulation_matches_single_big_batch(single_reference, cfg_factory, tmp_path, sync):
-    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "trainer.accumulate_grad_batches=2",
-                       f"strategy.gradient_sync={sync}"))
+    launch(
+        cfg_factory(
+            *SAME_STEPS,
+            "strategy=ddp",
+            "trainer.devices=2",
+            "trainer.accumulate_grad_batches=2",
+            f"strategy.gradient_sync={sync}",
+        )
+    )
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt")
 
 
@@ -91,8 +123,9 @@ def test_exact_eval_with_odd_test_set_equals_single(tmp_path, cfg_factory):
     train(cfg_factory(*common, sub="trained"))
     best = tmp_path / "trained/run/checkpoints/best.pt"
     single = train(cfg_factory(*common, "train=false", f"ckpt_path={best}", sub="single"))
-    ddp = launch(cfg_factory(*common, "train=false", f"ckpt_path={best}", "strategy=ddp", "trainer.devices=2",
-                             sub="ddp"))
+    ddp = launch(
+        cfg_factory(*common, "train=false", f"ckpt_path={best}", "strategy=ddp", "trainer.devices=2", sub="ddp")
+    )
     assert single["test_count"] == ddp["test_count"] == 301
     for key in ("test_loss", "test_top1", "test_top5", "val_loss", "val_top1"):
         assert ddp[key] == pytest.approx(single[key], rel=1e-6), key
@@ -100,8 +133,15 @@ def test_exact_eval_with_odd_test_set_equals_single(tmp_path, cfg_factory):
 
 def test_checkpoint_from_fsdp_loads_in_single(tmp_path, cfg_factory):
     # the full (one-file) format; tests/test_fsdp.py covers the sharded default
-    launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "trainer.channels_last=true",
-                       "strategy.checkpoint_format=full", sub="fsdp"))
+    launch(
+        cfg_factory(
+            "strategy=fsdp",
+            "trainer.devices=2",
+            "trainer.channels_last=true",
+            "strategy.checkpoint_format=full",
+            sub="fsdp",
+        )
+    )
     state = torch.load(tmp_path / "fsdp/run/checkpoints/best.pt", weights_only=False)
     assert not any(k.startswith("module.") for k in state["model"])
     evaluated = train(cfg_factory("train=false", f"ckpt_path={tmp_path}/fsdp/run/checkpoints/best.pt", sub="s"))
@@ -114,14 +154,25 @@ def _children(pid: int) -> list[int]:
 
 
 def test_killed_rank_is_restarted_and_resumes_to_the_same_result(tmp_path):
-    args = ["debug=fast", "strategy=ddp", "trainer.devices=2", "trainer.limit_train_batches=null",
-            "trainer.max_epochs=5", "data.batch_size=32", "trainer.deterministic=true"]
+    args = [
+        "debug=fast",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "trainer.limit_train_batches=null",
+        "trainer.max_epochs=5",
+        "data.batch_size=32",
+        "trainer.deterministic=true",
+    ]
     straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
     assert straight.returncode == 0, straight.stderr[-3000:]
     run_dir = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "trainer.max_restarts=1",
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args, "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (run_dir / "checkpoints/last.pt").exists():
         time.sleep(0.02)
@@ -141,8 +192,13 @@ def _torchrun(*args: str) -> list[str]:
 
 
 def test_torchrun_one_node_writes_one_run_dir(tmp_path):
-    proc = run_cli(str(ROOT / "train.py"), "debug=fast", "strategy=ddp", f"paths.log_dir={tmp_path}",
-                   command=_torchrun("--nproc_per_node=2"))
+    proc = run_cli(
+        str(ROOT / "train.py"),
+        "debug=fast",
+        "strategy=ddp",
+        f"paths.log_dir={tmp_path}",
+        command=_torchrun("--nproc_per_node=2"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs
@@ -158,13 +214,32 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-              "--rdzv-id=ddplab-test"]
+    common = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=ddplab-test",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen(_torchrun(*common, f"--node-rank={rank}", str(ROOT / "train.py"), "debug=fast",
-                                        "strategy=ddp", f"paths.log_dir={tmp_path}"),
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                *common,
+                f"--node-rank={rank}",
+                str(ROOT / "train.py"),
+                "debug=fast",
+                "strategy=ddp",
+                f"paths.log_dir={tmp_path}",
+            ),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     runs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
@@ -173,8 +248,15 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
 
 
 def test_multirun_under_torchrun_is_refused(tmp_path):
-    proc = run_cli(str(ROOT / "train.py"), "-m", "debug=fast", "strategy=ddp", "seed=1,2",
-                   f"paths.root_dir={tmp_path}", command=_torchrun("--nproc_per_node=2"))
+    proc = run_cli(
+        str(ROOT / "train.py"),
+        "-m",
+        "debug=fast",
+        "strategy=ddp",
+        "seed=1,2",
+        f"paths.root_dir={tmp_path}",
+        command=_torchrun("--nproc_per_node=2"),
+    )
     assert proc.returncode != 0
     assert "would run the whole sweep in every rank" in proc.stdout + proc.stderr
 
@@ -188,10 +270,18 @@ def test_fsdp_with_unshardable_model_fails_before_any_process(cfg_factory):
 
 @pytest.mark.parametrize("sync", ["reducer", "after_backward"])
 def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, cfg_factory, tmp_path, sync):
-    launch(cfg_factory(*SAME_STEPS, "strategy=ddp", "trainer.devices=2", "strategy.comm_hook=fp16",
-                       f"strategy.gradient_sync={sync}"))
-    assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt",
-                        rtol=1e-2, atol=1e-3)
+    launch(
+        cfg_factory(
+            *SAME_STEPS,
+            "strategy=ddp",
+            "trainer.devices=2",
+            "strategy.comm_hook=fp16",
+            f"strategy.gradient_sync={sync}",
+        )
+    )
+    assert_same_weights(
+        single_reference / "nobn/run/checkpoints/last.pt", tmp_path / "run/checkpoints/last.pt", rtol=1e-2, atol=1e-3
+    )
 
 
 def test_bad_input_found_inside_the_ranks_is_still_a_config_error(tmp_path, cfg_factory):
