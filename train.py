@@ -1,26 +1,38 @@
 """ddplab entry point: `python train.py [group=option ...] [key=value ...]` (see README.md)."""
+
 import logging
+import signal
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from src.config import ConfigError
+from src.launch import RankFailed
 from src.launch import main as run
+from src.signals import Interrupted
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run(cfg)
-    except ConfigError as exc:
+    except (ConfigError, RankFailed) as exc:
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.get().mode.name == "MULTIRUN":
-            raise  # this sweep point fails; Hydra carries on with the others and reports it
+            raise  # this sweep point fails; src/sweep.py says so in one line and the sweep carries on
         logging.getLogger("ddplab").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)
+    except (Interrupted, KeyboardInterrupt) as exc:  # during the training steps a stop checkpoints instead
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(
+            f"stopped by {signal.Signals(signum).name} before or after the training steps: nothing new saved in "
+            f"{cfg.paths.output_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signum)
     return metrics.get("test_top1")  # what a Hydra sweeper optimizes
 
 

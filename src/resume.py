@@ -106,8 +106,14 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
             f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
             f"drop these overrides to continue it, or start a new run (another hydra.run.dir)"
         )
-    if kept:
-        merged = OmegaConf.to_container(cfg, resolve=True)
+    # where it ran too, unless this command line says otherwise: the printed resume command continues a ddp
+    # run as ddp (a BatchNorm model's result depends on the per-device batch)
+    layout = {k: saved[k] for k in ("strategy",) if k in saved and not _set_by_user(k, explicit)}
+    for key in ("trainer.devices", "trainer.device"):
+        if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
+            kept[key] = before[key]
+    if kept or layout:
+        merged = {**OmegaConf.to_container(cfg, resolve=True), **layout}
         for key, value in kept.items():
             *parents, leaf = key.split(".")
             node = merged

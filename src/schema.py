@@ -208,8 +208,14 @@ class Top:
 
 def check(cfg: DictConfig) -> None:
     """Every option of the composed config, before any process starts or any file is written."""
-    check_section(cfg, "", Top, strict=False)
-    for key in ("seed", "train", "ckpt_path"):
+    groups = ("paths", "data", "model", "optim", "scheduler", "strategy", "trainer", "cluster", "logger")
+    for key in cfg:
+        if key not in groups and key not in declared(Top) and key != "hydra":
+            raise ConfigError(
+                f"{key} is not an option; the top level has {', '.join(declared(Top))} and the "
+                f"groups {', '.join(groups)}"
+            )
+    for key in declared(Top):
         check_value(key, cfg.get(key), declared(Top)[key])
     check_section(cfg.trainer, "trainer", Trainer)
     check_section(cfg.optim, "optim", Optim, skip=("_partial_",))

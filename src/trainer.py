@@ -85,6 +85,11 @@ class Trainer:
         elif self.device.type == "cuda":
             torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
         self.data = load_data(cfg.data)
+        if cfg.data.get("cutout", 0) >= min(self.data.image_size):  # it would blank every training image
+            raise ConfigError(
+                f"data.cutout={cfg.data.cutout} must be smaller than the images "
+                f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0"
+            )
         if t.tta_shift >= min(self.data.image_size):
             raise ConfigError(
                 f"trainer.tta_shift={t.tta_shift} must be smaller than the images "

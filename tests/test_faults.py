@@ -1,8 +1,16 @@
 """Mistakes and faults end in the right result or in one line that says what to change — never in a
 silently wrong "completed". Each silent case here failed on the code before it was fixed."""
+
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +18,7 @@ import torch
 from src.config import ConfigError
 from src.launch import main as launch
 from src.resume import reconcile
-from tests.conftest import read_metrics, run_cli, weights
+from tests.conftest import ROOT, read_metrics, run_cli, weights
 
 
 def _one_line_error(proc, message: str) -> None:
@@ -29,11 +37,14 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("override, key", [
-    ("trainer.max_epochs=4", "trainer.max_epochs=4 (checkpoint: 3)"),   # was: new epochs at lr 0
-    ("optim.lr=3", "optim.lr=3 (checkpoint: 0.1)"),                      # was: ignored, yet recorded
-    ("data.batch_size=64", "data.batch_size=64 (checkpoint: 128)"),     # was: "step 5" of another plan
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.max_epochs=4", "trainer.max_epochs=4 (checkpoint: 3)"),  # was: new epochs at lr 0
+        ("optim.lr=3", "optim.lr=3 (checkpoint: 0.1)"),  # was: ignored, yet recorded
+        ("data.batch_size=64", "data.batch_size=64 (checkpoint: 128)"),  # was: "step 5" of another plan
+    ],
+)
 def test_resume_refuses_options_that_change_the_result(finished_run, override, key):
     before = (finished_run / "metrics.json").read_bytes(), (finished_run / "checkpoints/last.pt").read_bytes()
     proc = run_cli("debug=fast", override, f"hydra.run.dir={finished_run}")
@@ -56,6 +67,7 @@ def test_rerun_without_the_original_overrides_continues_with_the_saved_config(fi
 def test_reconcile_fills_unset_keys_from_the_checkpoint_and_refuses_set_ones(finished_run, cfg_factory):
     cfg = cfg_factory(f"paths.output_dir={finished_run}")
     from omegaconf import open_dict
+
     with open_dict(cfg):
         cfg.paths.output_dir = str(finished_run)
     assert reconcile(cfg, overrides=[]).trainer.max_epochs == 3
@@ -74,7 +86,8 @@ def test_eval_only_writes_eval_json_and_takes_the_model_from_the_checkpoint(fini
     assert (finished_run / "metrics.json").read_bytes() == metrics_before  # the training run's file is untouched
     ev = json.loads((finished_run / "eval.json").read_text())
     assert ev["status"] == "evaluated" and ev["final"]["test_top1"] == pytest.approx(
-        json.loads(metrics_before)["final"]["test_top1"], rel=1e-9)
+        json.loads(metrics_before)["final"]["test_top1"], rel=1e-9
+    )
     out = proc.stdout + proc.stderr
     assert "evaluated" in out and "img/s" not in out and "steps/epoch" not in out and "s/epoch" not in out
 
@@ -103,7 +116,7 @@ def test_fsdp_keeps_batchnorm_buffers_identical_on_every_rank(cfg_factory, tmp_p
 # --- bad values: one line each, before any process starts -----------------------------------------
 
 BAD_VALUES = [
-    ("trainer.grad_clip=-1", "trainer.grad_clip must be a number > 0 or null"),   # was: gradient ascent
+    ("trainer.grad_clip=-1", "trainer.grad_clip must be a number > 0 or null"),  # was: gradient ascent
     ("optim.lr=0", "optim.lr must be a number > 0"),
     ("optim.momentum=1.5", "optim.momentum must be a number >= 0 and < 1"),
     ("optim.weight_decay=-0.1", "optim.weight_decay must be a number >= 0"),
@@ -123,6 +136,53 @@ BAD_VALUES = [
     ("strategy=fsdp strategy.reshard_after_forward=maybe", "strategy.reshard_after_forward must be true or false"),
     ("seed=abc", "seed must be an integer"),
     ("train=maybe", "train must be true or false"),
+    # trainer
+    ("trainer.max_epochs=0", "trainer.max_epochs must be a positive integer, got 0"),
+    ("trainer.max_epochs=1e3", "trainer.max_epochs must be a positive integer, got 1000.0"),  # YAML's float
+    ("trainer.devices=0", "trainer.devices must be one of auto or a positive integer, got 0"),
+    ("trainer.devices=two", "trainer.devices must be one of auto or a positive integer, got 'two'"),
+    ("trainer.device=tpu", "trainer.device must be one of auto, cpu, cuda, got 'tpu'"),
+    ("trainer.amp_dtype=fp8", "trainer.amp_dtype must be one of bf16, fp16, got 'fp8'"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
+    ("trainer.grad_clip=0", "trainer.grad_clip must be a number > 0 or null, got 0"),
+    ("trainer.grad_clip=abc", "trainer.grad_clip must be a number > 0 or null, got 'abc'"),
+    ("trainer.resume=123", "trainer.resume must be a string or null, got 123"),
+    ("trainer.limit_eval_batches=0", "trainer.limit_eval_batches must be a positive integer or null, got 0"),
+    ("trainer.progress_bar=maybe", "trainer.progress_bar must be true or false, got 'maybe'"),
+    ("trainer.deterministic=2", "trainer.deterministic must be true or false, got 2"),
+    ("trainer.flip_tta=yes", "trainer.flip_tta must be true or false, got 'yes'"),
+    ("trainer.compile=null", "trainer.compile must be true or false, got None"),
+    ("trainer.threads=many", "trainer.threads must be one of auto or a positive integer, got 'many'"),
+    ("trainer.max_restarts=1.5", "trainer.max_restarts must be an integer >= 0, got 1.5"),
+    ("trainer.label_smoothing=abc", "trainer.label_smoothing must be a number >= 0 and < 1, got 'abc'"),
+    # optimizer and schedule
+    ("optim.lr=abc", "optim.lr must be a number > 0, got 'abc'"),
+    ("optim.momentum=-0.1", "optim.momentum must be a number >= 0 and < 1, got -0.1"),
+    ("optim.nesterov=maybe", "optim.nesterov must be true or false, got 'maybe'"),
+    ("optim.decay_norm_and_bias=1", "optim.decay_norm_and_bias must be true or false, got 1"),
+    ("optim=adamw optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), got [0.9]"),
+    ("optim=adamw optim.betas=[0.9,0.99,0.5]", "optim.betas must be two numbers in [0, 1), got [0.9, 0.99, 0.5]"),
+    ("+optim.foo=1", "optim.foo is not an option of optim (Optim)"),
+    ("scheduler=onecycle scheduler.pct_start=0", "scheduler.pct_start must be a number > 0 and < 1, got 0"),
+    ("scheduler.warmup_epochs=abc", "scheduler.warmup_epochs must be a number >= 0, got 'abc'"),
+    ("+scheduler.gamma=0.1", "scheduler.gamma is not an option of scheduler"),
+    # model, strategy, data, loggers, the top level
+    ("model.width=2.5", "model.width must be a positive integer, got 2.5"),
+    ("model.batch_norm=maybe", "model.batch_norm must be true or false, got 'maybe'"),
+    ("model=resnet18 +model.depth=50", "model.depth is not an option of model (cifar_resnet18)"),
+    ("model._target_=src.models.Nope", "model._target_=src.models.Nope cannot be imported"),
+    ("strategy=ddp strategy.find_unused_parameters=perhaps", "strategy.find_unused_parameters must be true or false"),
+    ("strategy=ddp strategy.static_graph=1", "strategy.static_graph must be true or false, got 1"),
+    ("strategy=fsdp strategy.shard_modules=Conv2d", "strategy.shard_modules must be one of auto or a list of"),
+    ("data.batch_size=0", "data.batch_size must be a positive integer, got 0"),
+    ("data.batch_size=abc", "data.batch_size must be a positive integer, got 'abc'"),
+    ("data.eval_batch_size=0", "data.eval_batch_size must be a positive integer, got 0"),
+    ("data.val_fraction=null", "data.val_fraction must be a number in [0, 1), got None"),
+    ("+logger.tensorboard.bogus=1", "logger.tensorboard.bogus is not an option of logger.tensorboard"),
+    ("seed=1.5", "seed must be an integer, got 1.5"),
+    ("seed=null", "seed must be an integer, got None"),
+    ("train=1", "train must be true or false, got 1"),
+    ("ckpt_path=5", "ckpt_path must be a string or null, got 5"),
 ]
 
 
@@ -135,11 +195,49 @@ def test_bad_values_are_one_line_before_anything_runs(cfg_factory, overrides, me
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("overrides, message", [BAD_VALUES[0], BAD_VALUES[14]])
-def test_bad_values_on_the_command_line(tmp_path, overrides, message):
-    proc = run_cli("debug=fast", *overrides.split(), f"hydra.run.dir={tmp_path}/r")
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The refusals on the command line, started all at once (each is mostly Python start-up): name -> (its
+    folder, the finished process)."""
+    torchrun = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0"}
+    cases = {  # name -> (command-line arguments, extra environment)
+        **{overrides: ([*overrides.split(), "hydra.run.dir={tmp}/r"], {}) for overrides, _ in CLI_BAD_VALUES},
+        "run dir under a file": (["hydra.run.dir={tmp}/file/run"], {}),
+        "run dir in /proc": (["hydra.run.dir=/proc/ddplab/run"], {}),
+        "sweep dir under a file": (["-m", "seed=1,2", "hydra.sweep.dir={tmp}/file/sweep"], {}),
+        "sweep under torchrun": (["-m", "seed=1,2"], torchrun),
+    }
+    procs = {}
+    for i, (name, (args, env)) in enumerate(cases.items()):
+        tmp = tmp_path_factory.mktemp(f"cli{i}")
+        (tmp / "file").write_text("a file, not a folder")
+        procs[name] = (
+            tmp,
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), *(a.format(tmp=tmp) for a in args), "debug=fast"],
+                cwd=tmp,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **env},
+            ),
+        )
+    return {name: (tmp, _finished(proc)) for name, (tmp, proc) in procs.items()}
+
+
+def _finished(proc) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+CLI_BAD_VALUES = [BAD_VALUES[0], BAD_VALUES[14]]
+
+
+@pytest.mark.parametrize("overrides, message", CLI_BAD_VALUES)
+def test_bad_values_on_the_command_line(cli, overrides, message):
+    tmp, proc = cli[overrides]
     _one_line_error(proc, message)
-    assert not (tmp_path / "r/checkpoints").exists() and not (tmp_path / "r/metrics.json").exists()
+    assert not (tmp / "r/checkpoints").exists() and not (tmp / "r/metrics.json").exists()
 
 
 def test_a_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
@@ -152,8 +250,13 @@ def test_a_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
 
     run_dir = tmp_path / "run"
     args = ["debug=fast", "trainer.max_epochs=4", f"hydra.run.dir={run_dir}"]
-    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -167,3 +270,335 @@ def test_a_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
     assert first.returncode == 0, out[-2000:]
     m = read_metrics(run_dir)
     assert m["status"] == "completed" and len(m["epochs"]) == 4
+
+
+# --- the fault table --------------------------------------------------------------------------------
+# Bad inputs and faults, each ending in its exit code (or the ConfigError the CLI prints as one `error:` line, exit
+# 2), one line without a traceback, and nothing lost. Besides the cases in this file, these count toward the table:
+# tests/test_data.py (18 bad data settings, 8 broken image folders and caches), tests/test_checkpoint.py (a file in
+# the way, a failing pickle, a full disk, a size limit, a truncated file, a live and a killed lock holder),
+# tests/test_models.py (6: unknown timm and torchvision names, settings ddplab owns), tests/test_spine.py (19 config
+# combinations, 4 data errors, 4 bad resume checkpoints), tests/test_slurm.py (3 bad layouts), tests/test_sweeps.py
+# (failing sweep points, refused sweeps), tests/test_signals.py (Ctrl-C, SIGTERM, SIGUSR2 while training).
+
+
+def _nothing_written(run_dir) -> None:
+    assert not (run_dir / "metrics.json").exists() and not (run_dir / "checkpoints").exists()
+
+
+BAD_LAYOUTS = [  # the cluster presets, checked in the submitting process (src/cluster.py)
+    (("cluster=slurm", "cluster.nodes=0"), "cluster.nodes and cluster.tasks_per_node must be positive integers"),
+    (("cluster=slurm", "cluster.gpus_per_node=null"), "on a CPU-only partition set cluster.tasks_per_node=N"),
+    (("cluster=slurm", "cluster.gpus_per_node=2", "trainer.devices=4"), "trainer.devices=4 but each node runs"),
+    (("cluster=local_tasks", "cluster.tasks_per_node=1"), "strategy=ddp with 1 rank"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_LAYOUTS)
+def test_bad_cluster_layouts_are_one_line(cfg_factory, overrides, message):
+    from src.cluster import check_layout
+
+    with pytest.raises(ConfigError) as info:
+        check_layout(cfg_factory(*overrides))
+    assert message in str(info.value) and "HINT" in str(info.value) and "\n" not in str(info.value)
+
+
+def _image_tree(root, splits=(("train", "ab"), ("test", "ab")), size=(8, 8)) -> str:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, classes in splits:
+        for c in classes:
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / split / c / f"{i}.png")
+    return f"data.root={root}"
+
+
+def _odd_size(root) -> str:
+    from PIL import Image
+
+    override = _image_tree(root)
+    Image.new("RGB", (12, 9)).save(root / "test/a/odd.png")
+    return override
+
+
+def _empty_class(root) -> str:
+    override = _image_tree(root)
+    (root / "test/c").mkdir()
+    return override
+
+
+def _a_file(root) -> str:
+    root.write_text("not a folder")
+    return f"data.root={root}"
+
+
+BAD_FOLDERS = [  # data=imagefolder: found when the folders are read, before any training
+    (_a_file, "data.root: "),
+    (lambda root: _image_tree(root, (("train", "ab"),)), "has train/ but neither val/ nor test/"),
+    (lambda root: _image_tree(root, (("train", "ab"), ("test", "ac"))), "every split needs the same class folders"),
+    (lambda root: _image_tree(root, (("train", "abc"), ("test", "ac"))), "every split needs the same class folders"),
+    (_odd_size, "images differ in size"),
+    (_empty_class, "class folder(s) c hold no images"),
+]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    BAD_FOLDERS,
+    ids=[
+        "root-is-a-file",
+        "no-val-or-test",
+        "other-classes-in-test",
+        "test-lacks-a-class",
+        "two-image-sizes",
+        "empty-class",
+    ],
+)
+def test_bad_image_folders_are_one_line(tmp_path, cfg_factory, make, message):
+    cfg = cfg_factory("data=imagefolder", make(tmp_path / "data_root"))
+    with pytest.raises(ConfigError) as info:
+        launch(cfg)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    _nothing_written(tmp_path / "run")
+
+
+def _folder(path) -> str:
+    path.mkdir()
+    return str(path)
+
+
+def _bytes(data: bytes):
+    def make(path) -> str:
+        path.write_bytes(data)
+        return str(path)
+
+    return make
+
+
+BAD_CHECKPOINTS = [  # (key, what is at the path given, message): the file is named, and left as it was
+    ("trainer.resume", _folder, "is not a ddplab checkpoint"),
+    ("trainer.resume", _bytes(b""), "is unreadable (EOFError"),
+    ("trainer.resume", _bytes(b'{"model": {}}'), "is unreadable (UnpicklingError"),  # JSON, not torch.save
+    ("ckpt_path", _bytes(b"garbage"), "is unreadable"),
+    ("ckpt_path", str, "does not exist"),  # nothing there
+    ("ckpt_path", _folder, "is not a ddplab checkpoint"),
+    ("ckpt_path", None, "train=false needs ckpt_path=<checkpoint file>"),
+]
+
+
+@pytest.mark.parametrize(
+    "key, make, message",
+    BAD_CHECKPOINTS,
+    ids=[
+        "resume-a-folder",
+        "resume-an-empty-file",
+        "resume-json",
+        "eval-garbage",
+        "eval-missing",
+        "eval-a-folder",
+        "eval-without-checkpoint",
+    ],
+)
+def test_bad_checkpoints_are_one_line_and_left_alone(tmp_path, cfg_factory, key, make, message):
+    path = tmp_path / "given.pt"
+    given = [f"{key}={make(path)}"] if make else []
+    cfg = cfg_factory(*given, *(["train=false"] if key == "ckpt_path" else []))
+    before = path.read_bytes() if path.is_file() else None
+    with pytest.raises(ConfigError) as info:
+        launch(cfg)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert (path.read_bytes() if path.is_file() else None) == before
+    assert not (tmp_path / "run/metrics.json").exists() and not (tmp_path / "run/eval.json").exists()
+
+
+def test_a_corrupt_last_checkpoint_in_the_run_dir_is_one_line_and_kept(tmp_path, cfg_factory):
+    last = tmp_path / "run/checkpoints/last.pt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"PK\x03\x04 half a zip")  # e.g. a copy cut short
+    with pytest.raises(ConfigError, match="last.pt is unreadable") as info:
+        launch(cfg_factory())
+    assert "\n" not in str(info.value) and last.read_bytes() == b"PK\x03\x04 half a zip"
+    assert not (tmp_path / "run/metrics.json").exists()
+
+
+# --- filesystem ---------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_one_line_and_no_result(tmp_path, cfg_factory):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/checkpoints").write_text("someone's notes")
+    with pytest.raises(ConfigError, match="cannot write checkpoint") as info:
+        launch(cfg_factory())
+    assert "\n" not in str(info.value) and (tmp_path / "run/checkpoints").read_text() == "someone's notes"
+    assert not (tmp_path / "run/metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("run dir under a file", "hydra.run.dir"),
+        ("run dir in /proc", "hydra.run.dir"),
+        ("sweep dir under a file", "hydra.sweep.dir"),
+    ],
+)
+def test_an_output_folder_that_cannot_be_made_is_one_line(cli, name, key):
+    tmp, proc = cli[name]
+    _one_line_error(proc, f"cannot create {key}=")
+    assert (tmp / "file").read_text() == "a file, not a folder" and sorted(p.name for p in tmp.iterdir()) == ["file"]
+
+
+# --- found by this table, reported (each fails today with a traceback or a silently wrong result) -----
+
+REPORTED = pytest.mark.xfail(strict=True, reason="reported to the lead: not in this test's files")
+
+
+@REPORTED
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        (".lock", "folder"),  # src/runlock.py: IsADirectoryError
+        ("tb", "file"),  # src/loggers.py: FileExistsError
+        ("metrics.json", "folder"),  # src/results.py: IsADirectoryError, after training
+    ],
+)
+def test_a_file_or_folder_in_the_way_in_the_run_dir_is_one_line(tmp_path, cfg_factory, name, kind):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).mkdir() if kind == "folder" else (tmp_path / "run" / name).write_text("x")
+    with pytest.raises(ConfigError, match=name):
+        launch(cfg_factory())
+
+
+@REPORTED
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("data=synthetic", "data.shape=[3,8]"),  # src/datasets.py: ValueError while unpacking the shape
+        ("data=synthetic", "data.num_classes=0"),  # src/datasets.py: RuntimeError from torch.randint
+    ],
+    ids=["synthetic-2d-shape", "synthetic-0-classes"],
+)
+def test_impossible_synthetic_data_is_refused(cfg_factory, overrides):
+    with pytest.raises(ConfigError):
+        launch(cfg_factory(*overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ("data.augment=crop_flip", "data.cutout=100"),
+            "data.cutout=100 must be smaller than the images (8x8)",
+        ),  # was:
+        (("+seeds=3",), "seeds is not an option"),  # blank images, 10 % top-1, "completed"; and ignored
+    ],
+    ids=["cutout-larger-than-the-images", "misspelt-top-level-key"],
+)
+def test_impossible_cutout_and_misspelt_top_level_keys_are_refused(cfg_factory, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        launch(cfg_factory(*overrides))
+    assert message in str(info.value)
+
+
+# --- signals and concurrency ---------------------------------------------------------------------------
+
+
+def _signal_when(args: list[str], trigger: str, sig: int, pick=None) -> subprocess.CompletedProcess:
+    """Run train.py, and once `trigger` is printed send `sig` to it (or to the pid `pick(pid)` chooses)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    watchdog = threading.Timer(180, proc.kill)
+    watchdog.start()
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if trigger in line:
+            os.kill(pick(proc.pid) if pick else proc.pid, sig)
+            break
+    out += proc.stdout.readlines()
+    watchdog.cancel()
+    return subprocess.CompletedProcess(args, proc.wait(), "".join(out), "")
+
+
+def _a_rank(launcher: int) -> int:
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise AssertionError("no rank found")
+
+
+LONG = ["debug=fast", "trainer.limit_train_batches=null", "data.batch_size=16", "trainer.max_epochs=6"]
+DDP = ["strategy=ddp", "trainer.devices=2"]
+
+
+def _check_signalled(done, run_dir, code: int, said: str) -> None:
+    assert done.returncode == code, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout and "leaked semaphore" not in done.stdout, done.stdout[-3000:]
+    assert len([line for line in done.stdout.splitlines() if said in line]) == 1, done.stdout[-3000:]
+    assert not (run_dir / "metrics.json").exists()
+
+
+def test_sigterm_while_a_run_sets_up_stops_it_at_once_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *LONG, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    while not (run_dir / ".lock").exists() and proc.poll() is None:  # taken as the run starts to set up
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # nothing trained yet: nothing to checkpoint
+    done = subprocess.CompletedProcess([], proc.wait(timeout=120), proc.stdout.read(), "")
+    _check_signalled(done, run_dir, 143, "stopped by SIGTERM before or after the training steps")
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "trigger, sig, pick, code, said",
+    [
+        # Ctrl-C while the ranks start: they hold it until they can act on it, then stop rather than die
+        ("starting 2 processes", signal.SIGINT, None, 130, "stopped by SIGINT before or after the training steps"),
+        # a rank killed outright: which one, and where its log is
+        ("] - epoch 1/", signal.SIGKILL, _a_rank, 1, "error: rank "),
+    ],
+    ids=["ctrl-c-while-ranks-start", "sigkill-a-rank"],
+)
+def test_signals_to_ddp_outside_a_checkpoint_are_one_line(tmp_path, trigger, sig, pick, code, said):
+    run_dir = tmp_path / "run"
+    _check_signalled(_signal_when([*LONG, *DDP, f"hydra.run.dir={run_dir}"], trigger, sig, pick), run_dir, code, said)
+
+
+def test_a_stale_lock_file_without_a_live_holder_does_not_block(tmp_path, cfg_factory):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/.lock").write_text("999999\n")  # left by a crashed run: the kernel dropped its flock
+    assert launch(cfg_factory())["test_count"] > 0
+
+
+def test_evaluating_a_run_that_is_training_is_allowed_and_touches_none_of_its_files(tmp_path, cfg_factory):
+    from src.runlock import RunLock
+
+    launch(cfg_factory(sub="a"))
+    run_dir = tmp_path / "a/run"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    with RunLock(run_dir):  # as if it were training again
+        cfg = cfg_factory("train=false", f"ckpt_path={run_dir}/checkpoints/best.pt", sub="a")
+        assert launch(cfg)["test_count"] > 0
+    assert {p: p.read_bytes() for p in before} == before and (run_dir / "eval.json").exists()
+
+
+def test_a_sweep_under_torchrun_is_refused_in_every_point_and_leaves_nothing(cli):
+    tmp, proc = cli["sweep under torchrun"]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 2 and all("under torchrun would run the whole sweep in every rank" in s for s in said)
+    assert sorted(p.name for p in tmp.iterdir()) == ["file", "multirun"] and not any((tmp / "multirun").iterdir())

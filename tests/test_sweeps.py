@@ -1,4 +1,7 @@
-"""A 2 x 2 CPU sweep through the CLI, then the report and TensorBoard's HParams on its outputs."""
+"""A CPU sweep through the CLI with failing points, then the report and TensorBoard's HParams on its outputs; sweeps
+refused before anything ran leave no directory; submitit's local executor shows progress and keeps its logs in the
+sweep."""
+
 from __future__ import annotations
 
 import csv
@@ -22,8 +25,15 @@ def job(seed: str, strategy: str) -> str:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     sweep_dir = tmp_path_factory.mktemp("sweep") / "s"
-    proc = run_cli("-m", "debug=fast", "trainer.max_epochs=1", "seed=1,2,x", "strategy=single,ddp",
-                   f"hydra.sweep.dir={sweep_dir}", timeout=600)
+    proc = run_cli(
+        "-m",
+        "debug=fast",
+        "trainer.max_epochs=1",
+        "seed=1,2,x",
+        "strategy=single,ddp",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=600,
+    )
     assert proc.returncode != 0, "the seed=x points must fail the sweep"
     return sweep_dir, proc
 
@@ -37,19 +47,31 @@ def test_each_job_dir_is_named_from_its_overrides(sweep):
             m = json.loads((sweep_dir / job(s, k) / "metrics.json").read_text())
             assert m["status"] == "completed" and m["hparams"]["world_size"] == (2 if k == "ddp" else 1)
     assert not (sweep_dir / job("x", "ddp") / "metrics.json").exists()
-    assert "seed must be an integer" in proc.stdout + proc.stderr
+
+
+def test_failed_points_are_one_line_each_and_summed_up_at_the_end(sweep):
+    _, proc = sweep
+    assert proc.returncode == 2  # every failure is a bad input, as a single run's
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+    failed = sorted(job("x", k) for k in ("ddp", "single"))
+    said = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert [line.split(": ", 2)[1] for line in said] == failed  # as each one failed
+    assert all(line.endswith("seed must be an integer, got 'x'") for line in said), said
+    summary = proc.stderr[proc.stderr.index("sweep: 2 point(s) failed:") :].splitlines()[1:3]
+    assert [line.split(": ", 1)[0].strip() for line in summary] == failed, summary  # again at the end
+    assert all(line.endswith("seed must be an integer, got 'x'") for line in summary), summary
 
 
 def test_report_table_matches_the_jobs(sweep):
     sweep_dir, _ = sweep
-    out = subprocess.run([sys.executable, "-m", "src.report", str(sweep_dir)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "src.report", str(sweep_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     rows = {r["config"]: r for r in csv.DictReader((sweep_dir / "results.csv").open())}
     assert set(rows) == {f"debug=fast,strategy={k},trainer.max_epochs=1" for k in ("single", "ddp")}
     for strategy in ("single", "ddp"):
-        finals = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text())["final"]
-                  for s in (1, 2)]
+        finals = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text())["final"] for s in (1, 2)]
         row = rows[f"debug=fast,strategy={strategy},trainer.max_epochs=1"]
         assert int(row["n"]) == 2
         for metric in ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec"):
@@ -75,3 +97,34 @@ def test_hparams_summary_is_in_each_jobs_event_file(sweep):
     final = json.loads((job_dir / "metrics.json").read_text())["final"]
     assert acc.Scalars("hparams/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
     assert len(list((job_dir / "tb").iterdir())) == 1  # one event file: no stray add_hparams sub-run
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("optim.lr=-1,-2",), "optim.lr must be a number > 0"),  # every point fails in its job
+        (("cluster=local_tasks", "strategy=single", "seed=1,2"), "strategy=single runs one process"),  # before any
+    ],
+)
+def test_a_sweep_refused_before_anything_ran_leaves_no_directory(tmp_path, overrides, message):
+    proc = run_cli("-m", "debug=fast", *overrides, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    left = [p for p in tmp_path.rglob("*") if "multirun" in p.parts and p.name != "multirun"]
+    assert left == [] and not (tmp_path / ".submitit").exists()
+
+
+def test_local_tasks_shows_progress_and_keeps_its_logs_in_the_sweep(tmp_path):
+    proc = run_cli("cluster=local_tasks", "debug=fast", "optim.lr=0.1,-1", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [sweep] = [p for p in (tmp_path / "multirun").glob("*/*")]
+    ok, bad = "cluster=local_tasks,debug=fast,optim.lr=0.1", "cluster=local_tasks,debug=fast,optim.lr=-1"
+    assert (sweep / ok / "metrics.json").exists() and not (sweep / bad / "metrics.json").exists()
+    assert f"[{ok}] " in proc.stdout and "epoch 2/2" in proc.stdout  # rank 0's log, while the jobs ran
+    assert f"outputs in {sweep.relative_to(tmp_path)}" in proc.stderr
+    assert f"  {bad}: optim.lr must be a number > 0, got -1" in proc.stderr  # from the job's own process
+    assert "Traceback" not in proc.stderr
+    # the task logs sit in the sweep, one folder per job id: no `%j` folder there or `.submitit` in the cwd
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    jobs = list((sweep / ".submitit").iterdir())
+    assert len(jobs) == 2 and all(p.name.replace("_", "").isdigit() for p in jobs), jobs
+    assert all((p / f"{p.name}_0_log.out").exists() for p in jobs)
