@@ -83,6 +83,11 @@ OWN_KEYS = {
     "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
     "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
     "skip_bad_images": (lambda v: isinstance(v, bool), "true or false"),
+    # data=synthetic
+    "shape": (lambda v: len(v) == 3 and all(_is_int(n, 1) for n in v), "[channels, height, width], positive"),
+    "num_classes": (lambda v: _is_int(v, 2), "an integer >= 2"),
+    "num_samples": (lambda v: _is_int(v, 1), "a positive integer"),
+    "num_test": (lambda v: _is_int(v, 1), "a positive integer"),
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import Layout
+from src.config import ConfigError, Layout
 
 log = logging.getLogger("ddplab")
 
@@ -174,8 +174,16 @@ class Reporter:
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
-        # an evaluation writes eval.json only: no logger files beside the training run's
-        self.loggers = build_loggers(cfg, run_dir) if cfg.train else Logger()
+        result = run_dir / ("metrics.json" if cfg.train else "eval.json")
+        if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
+            raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")
+        try:  # an evaluation writes eval.json only: no logger files beside the training run's
+            self.loggers = build_loggers(cfg, run_dir) if cfg.train else Logger()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open the loggers' files in {run_dir} ({exc.strerror}: {exc.filename}); remove what is in "
+                f"the way or use another run directory"
+            ) from None
 
     def epoch(self, row: dict) -> None:
         t = self.cfg.trainer

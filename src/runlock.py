@@ -28,7 +28,10 @@ class RunLock:
         if self.held:
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
+        except OSError as exc:
+            raise ConfigError(f"cannot lock the run directory: {self.path} ({exc.strerror}); remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
