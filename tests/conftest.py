@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,21 @@ def run_cli(
         timeout=timeout,
         env=full_env,
     )
+
+
+def start_until_checkpoint(*args: str, run_dir: Path, timeout: float = 120) -> subprocess.Popen:
+    """Start `train.py args` and return once its first checkpoint exists (it is training, its handlers are set)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + timeout
+    while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    return proc
 
 
 def read_metrics(run_dir: Path) -> dict:

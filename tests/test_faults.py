@@ -18,7 +18,7 @@ import torch
 from src.config import ConfigError
 from src.launch import main as launch
 from src.resume import reconcile
-from tests.conftest import ROOT, read_metrics, run_cli, weights
+from tests.conftest import ROOT, read_metrics, run_cli, start_until_checkpoint, weights
 
 
 def _one_line_error(proc, message: str) -> None:
@@ -242,24 +242,10 @@ def test_bad_values_on_the_command_line(cli, overrides, message):
 
 def test_a_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
     import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import ROOT
 
     run_dir = tmp_path / "run"
     args = ["debug=fast", "trainer.max_epochs=4", f"hydra.run.dir={run_dir}"]
-    first = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
-        time.sleep(0.02)
+    first = start_until_checkpoint(*args, run_dir=run_dir)
     first.send_signal(signal.SIGSTOP)  # alive, holding the run dir, but not finishing while the second tries
     try:
         second = run_cli(*args)

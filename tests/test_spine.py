@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.conftest import (
     assert_compiled_loader_augments_like_eager,
     read_metrics,
     run_cli,
+    start_until_checkpoint,
     weights,
 )
 
@@ -150,16 +150,7 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
     straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
     assert straight.returncode == 0, straight.stderr[-2000:]
     run_dir = tmp_path / "b"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
-        time.sleep(0.02)
+    proc = start_until_checkpoint(*args, f"hydra.run.dir={run_dir}", run_dir=run_dir)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0 and "saved checkpoints/last.pt" in out, out[-2000:]
