@@ -91,10 +91,11 @@ def job_identity(run_dir: Path) -> tuple[str, str | None]:
 
 
 def open_writer(run_dir):
-    """TensorBoard writer whose event files go to `<run_dir>/tb`."""
+    """TensorBoard writer whose event files go into the run dir itself: TensorBoard names the run after the
+    job's directory (its overrides in a sweep), not `<dir>/tb`."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+    return SummaryWriter(log_dir=str(Path(run_dir)))
 
 
 def _hparam_value(value):
@@ -122,7 +123,7 @@ def write_hparams(writer, hparams: dict, final_metrics: dict, step: int = 0) -> 
 
 
 class TensorBoardLogger(Logger):
-    """Scalars and the HParams summary in `<run_dir>/tb` (`tensorboard --logdir outputs/runs`)."""
+    """Scalars and the HParams summary in the run dir (`make tensorboard`)."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig | None = None):
         self.writer = open_writer(run_dir)

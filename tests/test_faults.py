@@ -443,7 +443,6 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(cli, name, key):
     "name, kind",
     [
         (".lock", "folder"),  # was: IsADirectoryError (src/runlock.py)
-        ("tb", "file"),  # was: FileExistsError (src/loggers.py)
         ("metrics.json", "folder"),  # was: IsADirectoryError after training (src/results.py)
     ],
 )

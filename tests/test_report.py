@@ -188,13 +188,12 @@ def test_hparams_in_the_job_event_file(tmp_path):
     final = final_metrics("ddp", 1)
     write_job_events(tmp_path / "job", HPARAMS, final)
 
-    # One run: the job's tb/ holds its event file(s) and no sub-run directory.
-    assert [p.name for p in (tmp_path / "job").iterdir()] == ["tb"]
-    assert all(p.is_file() and p.name.startswith("events.out.tfevents.") for p in (tmp_path / "job" / "tb").iterdir())
+    # One run, named by the job's directory: its event file(s) and no sub-run directory.
+    assert all(p.is_file() and p.name.startswith("events.out.tfevents.") for p in (tmp_path / "job").iterdir())
     mux = EventMultiplexer().AddRunsFromDirectory(str(tmp_path))
-    assert list(mux.Runs()) == ["job/tb"]
+    assert list(mux.Runs()) == ["job"]
 
-    acc = EventAccumulator(str(tmp_path / "job" / "tb")).Reload()
+    acc = EventAccumulator(str(tmp_path / "job")).Reload()
     content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
     assert set(content) == {metadata.EXPERIMENT_TAG, metadata.SESSION_START_INFO_TAG, metadata.SESSION_END_INFO_TAG}
 
@@ -242,7 +241,7 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
     finals = {"ddp": final_metrics("ddp", 0), "single": final_metrics("single", 0)}
     for strategy, final in finals.items():
         write_job_events(tmp_path / f"seed=0,strategy={strategy}", {**HPARAMS, "strategy": strategy}, final)
-    runs = {f"seed=0,strategy={s}/tb" for s in finals}
+    runs = {f"seed=0,strategy={s}" for s in finals}
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -300,7 +299,7 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
             for group in groups["sessionGroups"]:
                 (session,) = group["sessions"]
                 strategy = group["hparams"]["strategy"]
-                assert session["name"] == f"seed=0,strategy={strategy}/tb"
+                assert session["name"] == f"seed=0,strategy={strategy}"
                 assert session["status"] == "STATUS_SUCCESS"
                 metric_values = {v["name"]["tag"]: v["value"] for v in session["metricValues"]}
                 for name in ("test_loss", "test_top1", "images_per_sec"):

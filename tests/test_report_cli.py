@@ -222,7 +222,7 @@ def _free_port() -> int:
 def test_make_tensorboard_serves_outputs_and_multirun_on_port(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    expected = {"outputs/runs/2025-01-01/10-00-00.000001/tb", "multirun/2025-01-01/11-00-00.000001/seed=1/tb"}
+    expected = {"outputs/runs/2025-01-01/10-00-00.000001", "multirun/2025-01-01/11-00-00.000001/seed=1"}
     for run in expected:
         with SummaryWriter(tmp_path / run) as writer:
             writer.add_scalar("train/loss", 1.0, 1)

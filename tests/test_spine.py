@@ -45,7 +45,7 @@ def test_cli_trains_and_writes_run_dir(tmp_path):
     assert m["torch_version"] == torch.__version__ and m["overrides"] == ["debug=fast", f"hydra.run.dir={run_dir}"][:1]
     for name in ("checkpoints/last.pt", "checkpoints/best.pt", ".hydra/config.yaml", "train.log"):
         assert (run_dir / name).is_file(), name
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert list(run_dir.glob("events.out.tfevents.*"))
     log = (run_dir / "train.log").read_text()
     assert "global batch 128 = 128 per device" in log
     assert (

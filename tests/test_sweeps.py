@@ -89,14 +89,14 @@ def test_hparams_summary_is_in_each_jobs_event_file(sweep):
 
     sweep_dir, _ = sweep
     job_dir = sweep_dir / job("2", "ddp")
-    acc = EventAccumulator(str(job_dir / "tb"))
+    acc = EventAccumulator(str(job_dir))
     acc.Reload()
     content = acc.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["strategy"].string_value == "ddp" and start.hparams["world_size"].number_value == 2
     final = json.loads((job_dir / "metrics.json").read_text())["final"]
     assert acc.Scalars("hparams/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
-    assert len(list((job_dir / "tb").iterdir())) == 1  # one event file: no stray add_hparams sub-run
+    assert len(list(job_dir.glob("events.out.tfevents.*"))) == 1  # one event file: no stray add_hparams sub-run
 
 
 @pytest.mark.parametrize(
