@@ -234,13 +234,14 @@ class Reporter:
         self.loggers.log_metrics(
             {f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")}, step=len(history)
         )
-        self.loggers.log_hparams(self.hparams, final)
+        self.loggers.log_hparams({**self.hparams, "status": status}, final)
         write_metrics(self.run_dir, self.cfg, status, final, history, self.hparams, self.device)
         log.info("outputs: %s (metrics.json, checkpoints/, logs)", self.run_dir)
 
     def failed(self, status: str, history: list[dict]) -> None:
         """A run that stopped without final metrics (e.g. diverged): metrics.json says so."""
         write_metrics(self.run_dir, self.cfg, status, {}, history, self.hparams, self.device)
+        self.loggers.log_hparams({**self.hparams, "status": status}, {})  # recognisable in the HParams tab
 
     def close(self) -> None:
         self.loggers.close()

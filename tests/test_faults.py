@@ -101,6 +101,13 @@ def test_divergence_stops_with_status_diverged_and_keeps_the_last_good_checkpoin
     last = run_dir / "checkpoints/last.pt"
     if last.exists():  # epochs before the divergence were finite
         assert all(torch.isfinite(w).all() for w in weights(last).values() if w.is_floating_point())
+    # and TensorBoard's HParams tab shows the run as diverged
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = EventAccumulator(str(run_dir)).Reload().PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["status"].string_value == "diverged"
 
 
 def test_zero_steps_per_epoch_is_an_error_before_training(cfg_factory):
