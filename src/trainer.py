@@ -41,7 +41,9 @@ def prepare_run(cfg: DictConfig) -> Trainer:
     layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
     # declared threads per process, so single vs ddp on a CPU compares the same cores
     threads = cfg.trainer.threads
-    torch.set_num_threads(threads if threads != "auto" else max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if threads == "auto":  # a cluster's per-task CPUs (OMP_NUM_THREADS, e.g. cluster.cpus_per_task) come first
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    torch.set_num_threads(threads)
     return Trainer(cfg, env, layout, init_process_group(env, layout.device_type))
 
 
