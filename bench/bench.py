@@ -132,7 +132,9 @@ def plan(args) -> list[dict]:
     elif args.data_root:
         data = ["data=imagefolder", f"data.root={Path(args.data_root).resolve()}", "data.augment=crop_flip"]
     else:
-        data = ["data=synthetic", f"data.num_samples={args.samples}", "data.shape=[3,32,32]", "data.augment=crop_flip"]
+        side = args.image_size or 32  # on-device random images of the ceiling's size
+        data = ["data=synthetic", f"data.num_samples={args.samples}", f"data.shape=[3,{side},{side}]"]
+        data += ["data.num_test=" + str(min(args.samples, 4 * args.batch)), "data.augment=crop_flip"]
     loaders = loaders_of(args)
     if args.decode:  # the loader alone, as one GPU's rank runs it: read, decode, augment, no model
         configs += [
@@ -282,7 +284,7 @@ def table(report: dict) -> str:
         f"ddplab bench | {gpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
         f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
-        f"{'wall s':>8}",
+        f"{'wall s':>8}{'peak GB':>9}{'MFU':>6}",
     ]
     for name, r in runs.items():
         if not r["ok"]:
@@ -292,9 +294,11 @@ def table(report: dict) -> str:
         wait = f"{100 * r['data_wait_fraction']:.0f}%" if "data_wait_fraction" in r else ""
         first = f"{r['epoch_sec'][0]:.1f}" if r.get("epoch_sec") else ""
         ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
+        mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else ""
+        mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") is not None else ""
         lines.append(
             f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
-            f"{r['wall_sec']:>8.0f}"
+            f"{r['wall_sec']:>8.0f}{mem:>9}{mfu:>6}"
         )
     refs = sorted(
         {
@@ -342,7 +346,8 @@ def data_label(args) -> str:
         parts = [f"imagefolder {args.data_root}"] if args.data_root else []
         parts += [f"shards {args.shards}"] if args.shards else []
         return " + ".join(parts) + f" ({args.image_size or 'native'} px, decode {args.decode})"
-    return f"imagefolder {args.data_root}" if args.data_root else f"synthetic {args.samples}x3x32x32"
+    side = args.image_size or 32
+    return f"imagefolder {args.data_root}" if args.data_root else f"synthetic {args.samples}x3x{side}x{side}"
 
 
 def merge(paths: list[str]) -> tuple[dict, dict]:
@@ -463,6 +468,7 @@ def child_loop(spec: dict) -> dict:
         "images_per_sec": final["images_per_sec"],
         "sec_per_epoch": final["sec_per_epoch"],
         "data_wait_fraction": final["data_wait_fraction"],
+        **{k: final[k] for k in ("peak_mem_gb", "peak_mem_reserved_gb", "tflops_per_gpu", "mfu") if k in final},
         "steps_per_epoch": cfg.trainer.limit_train_batches,
         "epoch_sec": [e["epoch_sec"] for e in epochs],
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],

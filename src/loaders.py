@@ -10,7 +10,10 @@ Workers ship uint8 images; normalization (4x the bytes as float32) happens on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -421,20 +424,63 @@ class DiskLoader(ClassicLoader):
         self.stream = torch.cuda.Stream(device) if on_device and device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None  # the side stream's last batch
 
+    def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
+        if not self.on_device:
+            yield from super().train_batches(steps, epoch)
+            return
+        requests = [(epoch, ids) for step in steps for ids in step.micro]
+        flat = self._decoded_ahead(self._loader("train", requests), "train", epoch)
+        try:
+            for step in steps:
+                for k in range(len(step.micro)):
+                    x, y = next(flat)
+                    yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
+        finally:
+            flat.close()  # stops the decoding thread now, also when the loop leaves early
+
+    def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
+        if not self.on_device:
+            yield from super().eval_batches(split, ids, batch_size)
+            return
+        yield from self._decoded_ahead(self._loader(split, [(None, c) for c in ids.split(batch_size)]), split, None)
+
+    def _decoded_ahead(self, loader, split: str, epoch: int | None) -> Iterator[tuple]:
+        """The loader's batches decoded and cropped in a thread, a few ahead of the training thread: nvjpeg
+        parses each JPEG on the host and the crops are launched per image, so in the training thread they
+        would take turns with the step's launches instead of overlapping them."""
+        workers = iter(loader)  # here: the DataLoader forks its workers from this thread, never from the other
+        cuda = self.stream is not None
+        index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if cuda else None
+
+        def decoded():
+            if cuda:
+                torch.cuda.set_device(index)  # the current device is per thread
+            for batch in _one_line_errors(workers):
+                yield self._on_side_stream(batch, split, epoch)
+
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        with contextlib.closing(in_thread(decoded, depth=2, name=f"ddplab-decode-{split}")) as ahead:
+            for x, y, ready in ahead:
+                if main is not None:
+                    main.wait_event(ready)  # here, not in the thread: steps queued before must not wait for it
+                    x.record_stream(main)  # allocated on the side stream, used on this one
+                    y.record_stream(main)
+                yield x, y
+
     def _finish(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._prepare(batch, split, epoch)  # data.decode=cpu: the workers' uint8 crops
+
+    def _on_side_stream(self, batch, split: str, epoch: int | None) -> tuple:
+        """(x, y, the event after which they are ready on the device; None off CUDA)."""
         if self.stream is None:
-            return self._prepare(batch, split, epoch)
+            return *self._prepare(batch, split, epoch), None
         if self._done is not None:  # nvjpeg writes on its own stream, into memory this stream may still read
             self._done.synchronize()
         with torch.cuda.stream(self.stream):
             x, y = self._prepare(batch, split, epoch)
             self._done = torch.cuda.Event()
             self._done.record(self.stream)
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.stream)
-        x.record_stream(main)  # allocated on the side stream, used on the main one
-        y.record_stream(main)
-        return x, y
+        return x, y, self._done
 
     def _prepare(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         skipped, ids, y = list(batch.skipped), batch.ids, batch.y
@@ -479,6 +525,46 @@ class DiskLoader(ClassicLoader):
         if self.skipped:
             log.warning("%d unreadable images were skipped (data.skip_bad_images=true)", self.skipped)
             self.skipped = 0
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+def in_thread(make_items, depth: int, name: str) -> Iterator:
+    """What the generator `make_items()` yields, produced up to `depth` items ahead in a daemon thread. Its error
+    is raised here; closing this generator (or leaving it early) stops the thread and waits for it."""
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop, end = threading.Event(), object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work():
+        try:
+            for item in make_items():
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as exc:  # handed to the consuming thread
+            put(_Failed(exc))
+
+    thread = threading.Thread(target=work, daemon=True, name=name)
+    thread.start()
+    try:
+        while (item := out.get()) is not end:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _one_line_errors(loader) -> Iterator:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -256,6 +257,30 @@ def test_a_worker_names_the_bad_file_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         batches(data, cfg, steps, 0, "cpu")
     assert str(info.value).startswith(f"{bad}: cannot read this image") and "\n" not in str(info.value)
+
+
+def decoding_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ddplab-decode")]
+
+
+def test_batches_are_decoded_ahead_in_a_thread_that_stops_with_the_loop(tmp_path):
+    """The device path decodes the next batches in a second thread (nvjpeg parses on the host: in the training
+    thread it would take turns with the step); a loop that leaves early stops it, and so does an error."""
+    write_tree(tmp_path / "tree", per_class=(9, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=gpu")  # on the CPU: torchvision's decoder
+    steps = plan_epoch(len(data.train), 2, 1, 0, 1, seed=7, epoch=0)
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        batches_ = loader.train_batches(steps, 0)
+        first = next(batches_)
+        assert decoding_threads() == ["ddplab-decode-train"]
+        batches_.close()  # the loop leaves after one step (a stop request, a limit)
+        assert decoding_threads() == []
+        again = next(loader.train_batches(steps, 0))  # the next pass starts afresh, from the first batch
+        assert torch.equal(again.x, first.x)
+    finally:
+        loader.close()
+    assert decoding_threads() == []
 
 
 # --- the same batches for any world size and after a resume ---------------------------------------------------
