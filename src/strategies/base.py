@@ -1,0 +1,244 @@
+"""The base `Strategy` (one process, one device), its `Context`, the process-group base of ddp and fsdp,
+and `build_strategy`.
+
+`core` is the model without the `module.` prefix of DDP/DataParallel, and checkpoints are written through
+torch's state-dict helpers, which also drop the prefixes of compiled blocks (`_orig_mod.`) and of activation
+checkpointing: a checkpoint from any strategy, in either format (src/checkpoint.py), loads in any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from src import checkpoint as ckpt
+from src.schema import ConfigError
+from src.strategies.blocks import shard_targets
+
+
+@dataclass
+class Context:
+    """What a strategy needs to know about the run when it wraps the model."""
+
+    device: torch.device
+    amp: bool
+    amp_dtype: torch.dtype
+    devices_per_process: int = 1
+    compile: bool = False
+    compile_mode: str = "default"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.compile and self.compile_mode == "reduce-overhead"
+
+    def compiled(self, module: nn.Module) -> nn.Module:
+        return torch.compile(module, mode=self.compile_mode) if self.compile else module
+
+
+@dataclass
+class Strategy:
+    """The base: one process on one device, nothing to sync. Subclasses override what differs."""
+
+    sync_bn: bool = False
+
+    name: ClassVar[str] = "single"
+    multiprocess: ClassVar[bool] = False  # one process per device (started by train.py or a launcher)
+    cuda_graphs: ClassVar[bool] = True  # trainer.compile_mode=reduce-overhead works
+    fused_optimizer: ClassVar[bool] = True  # the optimizer's fused CUDA kernels work on its parameters
+    channels_last_weights: ClassVar[bool] = True  # weights may be converted to channels_last
+    cudnn_benchmark: ClassVar[bool] = True
+    averages_gradients: ClassVar[bool] = False  # the sync divides by the world size (DDP's reducer, FSDP)
+
+    # --- before any process starts -------------------------------------------------------------
+    def check(self, cfg, device_type: str) -> None:
+        """Options that do not fit this strategy, the trainer settings or the device type."""
+        if self.sync_bn:
+            raise ConfigError(
+                f"strategy.sync_bn=true works only with strategy=ddp (SyncBatchNorm needs "
+                f"DistributedDataParallel), got strategy={self.name}; drop strategy.sync_bn"
+            )
+        t = cfg.trainer
+        if t.compile_mode == "reduce-overhead" and not self.cuda_graphs:
+            raise ConfigError(
+                f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or "
+                f"ddp, not {self.name}; use trainer.compile_mode=default"
+            )
+
+    def processes(
+        self, requested, available: int, device_type: str, launched: int | None, launched_local: int | None
+    ) -> tuple[int, int]:
+        """(processes, devices per process) for trainer.devices=`requested` on this machine, or a ConfigError.
+        `launched`: the world size an external launcher (torchrun, SLURM) started, if any."""
+        if launched not in (None, 1):
+            raise ConfigError(
+                f"strategy={self.name} runs one process but the launcher started {launched}; HINT: use strategy=ddp"
+            )
+        if requested not in ("auto", 1):
+            raise ConfigError(
+                f"strategy={self.name} uses one device, got trainer.devices={requested}; "
+                f"HINT: use strategy=ddp or dp for several"
+            )
+        return 1, 1
+
+    def preflight(self, cfg) -> None:
+        """Checks that need the model (built on the meta device: no memory, no time)."""
+
+    def hparams(self, cfg) -> dict:
+        """The strategy's settings a comparison is about (HParams, metrics.json, the report)."""
+        return {"strategy": self.name, "sync_bn": self.sync_bn, "gradient_sync": "none"}
+
+    # --- in each rank ---------------------------------------------------------------------------
+    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
+        """Wrap (and compile) `model`; return the module the loop calls."""
+        self.core = model
+        self.model = ctx.compiled(model)
+        return self.model
+
+    def sync_context(self, boundary: bool):
+        """Around a micro-step's forward and backward: skip the gradient sync unless it ends the step."""
+        return contextlib.nullcontext()
+
+    def sync_gradients(self) -> None:
+        """After an optimizer step's last backward: the all-reduce, where the strategy defers it."""
+
+    def sync_buffers(self) -> None:
+        """Make every rank's buffers (BatchNorm running stats) rank 0's, where the strategy keeps them so."""
+
+    def eval_module(self) -> nn.Module:
+        """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile)."""
+        self.sync_buffers()
+        return self.core
+
+    def state_dict(self, optimizer) -> tuple[dict, dict]:
+        """Unsharded model and optimizer state keyed by parameter name (collective under fsdp)."""
+        return get_state_dict(self.core, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=True)
+        if optimizer is None:
+            set_model_state_dict(self.core, model_state, options=options)
+        else:
+            set_state_dict(
+                self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
+            )
+
+    def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
+        """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
+        Here the full state is gathered and rank 0 writes `<name>.pt` (src/checkpoint.py)."""
+        model_state, optim_state = self.state_dict(optimizer)
+        if primary:
+            ckpt.save_full({"model": model_state, "optimizer": optim_state, **state}, directory, names)
+
+    def load_checkpoint(self, path, optimizer=None) -> dict:
+        """Load a checkpoint of either format into the model (and `optimizer`); return the rest of its state.
+        From a sharded one each rank reads what its own layout holds, whatever number of ranks wrote it."""
+        path = Path(path)
+        state = ckpt.load(path)
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.core).items()}  # no gather
+        ckpt.check_compatible(ckpt.saved_shapes(path, state), shapes, path)
+        if not path.is_dir():
+            self.load_state_dict(state["model"], optimizer, state["optimizer"] if optimizer is not None else None)
+            return state
+        import torch.distributed.checkpoint as dcp
+
+        if optimizer is None:
+            tensors = {"model": get_model_state_dict(self.core)}
+        else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
+            tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
+        with warnings.catch_warnings():  # one process (no process group) reading it is intended
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=path)
+        if optimizer is None:
+            set_model_state_dict(self.core, tensors["model"])
+        else:
+            set_state_dict(
+                self.core, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"]
+            )
+        return state
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's blocks, each recomputed as one by activation checkpointing (FSDP: its shard units)."""
+        return shard_targets(model, "auto")
+
+    def replicas_agree(self, device: torch.device) -> dict[str, bool]:
+        """Are the parameters / BatchNorm running stats identical on every rank? Sharded (FSDP) parameters
+        exist once and agree by construction; replicated ones are compared through an all-reduce of max and min."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return {"params_in_sync": True, "bn_buffers_in_sync": True}
+        from torch.distributed.tensor import DTensor
+
+        groups = {
+            "params_in_sync": [p for p in self.core.parameters() if not isinstance(p, DTensor)],
+            "bn_buffers_in_sync": [b for n, b in self.core.named_buffers() if "running_" in n],
+        }
+        result = {}
+        for key, tensors in groups.items():
+            if not tensors:
+                result[key] = True
+                continue
+            flat = torch.cat([t.detach().double().flatten() for t in tensors]).to(device)
+            hi, lo = flat.clone(), flat.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            result[key] = bool(torch.equal(hi, lo))
+        return result
+
+
+@dataclass
+class _Distributed(Strategy):
+    """One process per device, in a process group."""
+
+    multiprocess: ClassVar[bool] = True
+
+    def processes(self, requested, available, device_type, launched, launched_local):
+        if launched is not None:
+            if requested != "auto" and launched_local is not None and requested != launched_local:
+                raise ConfigError(
+                    f"trainer.devices={requested} disagrees with the launcher's {launched_local} "
+                    f"processes on this node; set trainer.devices={launched_local} or trainer.devices=auto"
+                )
+            world = launched
+        else:
+            if requested == "auto":  # every GPU; on a CPU-only machine, two gloo processes
+                requested = available if device_type == "cuda" else min(2, available)
+            if requested > available:
+                raise ConfigError(
+                    f"trainer.devices={requested} but only {available} "
+                    f"{'GPU' if device_type == 'cuda' else 'CPU core'}(s) are available; "
+                    f"lower trainer.devices"
+                )
+            world = requested
+        if world < 2:
+            raise ConfigError(
+                f"strategy={self.name} with a single process; HINT: set trainer.devices=2 "
+                f"(or more), or use strategy=single"
+            )
+        return world, 1
+
+
+def _broadcast_from_rank0(module: nn.Module, parameters: bool = True) -> None:
+    """What DDP does when it wraps a model: every rank starts from rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*(module.parameters() if parameters else ()), *module.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def build_strategy(cfg) -> Strategy:
+    """The strategy object of `cfg.strategy` (its options were checked by src.schema)."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg, _convert_="all")

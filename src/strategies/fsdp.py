@@ -1,0 +1,135 @@
+"""`FSDP`: FSDP2 (fully_shard) with per-block compile, prefetch, mixed precision, CPU offload and sharded
+(DCP) checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from src import checkpoint as ckpt
+from src.schema import ConfigError, Positive
+from src.strategies.base import Context, _broadcast_from_rank0, _Distributed
+from src.strategies.blocks import _replace, shard_targets
+
+
+@dataclass
+class FSDP(_Distributed):
+    """FSDP2 (torch.distributed.fsdp.fully_shard) laid out as torchtitan does: each block is one shard unit,
+    compiled on its own before it is sharded (trainer.compile), with the next unit's all-gather prefetched
+    explicitly; the root holds what no block does (stem, head). Checkpoints are sharded (DCP) by default."""
+
+    shard_modules: Literal["auto"] | list[str] | None = "auto"  # auto: the model's blocks (`shard_targets`)
+    reshard_after_forward: bool | Annotated[int, Positive] = True  # int n: regather from groups of n ranks
+    prefetch: bool | Annotated[int, Positive] = True  # all-gather the next unit(s) early: true = 1, n = n ahead
+    param_dtype: Literal["bf16", "fp32"] | None = None  # null: trainer.amp's dtype with amp, else fp32
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # of the gradient reduce-scatter
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer step on the CPU
+    checkpoint_format: Literal["sharded", "full"] = "sharded"
+
+    name: ClassVar[str] = "fsdp"
+    cuda_graphs: ClassVar[bool] = False
+    fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters
+    channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
+    averages_gradients: ClassVar[bool] = True
+
+    def processes(self, requested, available, device_type, launched, launched_local):
+        world, per_process = super().processes(requested, available, device_type, launched, launched_local)
+        group = self.reshard_after_forward
+        if not isinstance(group, bool) and world % group:
+            divisors = [str(d) for d in range(2, world) if world % d == 0]
+            raise ConfigError(
+                f"strategy.reshard_after_forward={group} must divide the {world} ranks (the group "
+                f"each parameter is regathered from in the backward); use "
+                f"{', '.join(['true', 'false', *divisors])}"
+            )
+        return world, per_process
+
+    def preflight(self, cfg):
+        from src.models import build_model
+
+        with torch.device("meta"):
+            shard_targets(build_model(cfg.model, num_classes=10, in_channels=3), self.shard_modules)
+
+    def blocks(self, model):
+        return shard_targets(model, self.shard_modules)
+
+    def mp_policy(self, ctx: Context):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        param = dtypes[self.param_dtype] if self.param_dtype else ctx.amp_dtype if ctx.amp else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=dtypes[self.reduce_dtype])
+
+    def wrap(self, model, ctx):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        units = shard_targets(model, self.shard_modules)
+        if ctx.compile:  # one graph per block (repeated blocks share it); FSDP's hooks stay outside the graphs
+            limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
+            torch._dynamo.config.recompile_limit = max(limit, len(units))
+            units = [_replace(model, unit, torch.compile(unit, mode=ctx.compile_mode, dynamic=False)) for unit in units]
+        options = {
+            "mp_policy": self.mp_policy(ctx),
+            "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+            if self.cpu_offload
+            else OffloadPolicy(),
+        }
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
+        ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
+        for i, unit in enumerate([model, *units][:-1] if ahead else []):  # forward: the root, then the units
+            unit.set_modules_to_forward_prefetch(units[i : i + ahead])
+        for i, unit in enumerate(units[1:] if ahead else [], start=1):  # backward: in reverse order
+            unit.set_modules_to_backward_prefetch(units[max(0, i - ahead) : i][::-1])
+        self.core = self.model = model
+        self.eager = _Eager(model) if ctx.compile else model
+        return self.model
+
+    def eval_module(self):
+        self.sync_buffers()
+        return self.eager
+
+    def sync_context(self, boundary):
+        return contextlib.nullcontext() if boundary else _fsdp_no_sync(self.core)
+
+    def sync_buffers(self):
+        """FSDP2 leaves buffers (BatchNorm running stats) replicated and unsynchronized: take rank 0's, as
+        DDP's broadcast_buffers does, so every rank evaluates with the same weights and stats."""
+        if dist.is_initialized():
+            _broadcast_from_rank0(self.core, parameters=False)
+
+    def save_checkpoint(self, directory, names, optimizer, state, primary):
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(directory, names, optimizer, state, primary)
+        self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
+        model_state, optim_state = get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
+        ckpt.save_sharded({"model": model_state, "optimizer": optim_state}, state, directory, names, primary)
+
+
+class _Eager(nn.Module):
+    """`module` with its compiled blocks run eagerly: evaluation (no grad, eval-mode norms, an odd last
+    batch) would otherwise compile every block again."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        with torch.compiler.set_stance("force_eager"):
+            return self.module(x)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(core: nn.Module):
+    core.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        core.set_requires_gradient_sync(True)
