@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from functools import partial
 from pathlib import Path
 
@@ -33,6 +34,10 @@ log = logging.getLogger("ddplab")
 
 class Diverged(RuntimeError):
     """The training loss became NaN or infinite."""
+
+
+class OutOfMemory(RuntimeError):
+    """A training or evaluation step ran out of device memory; the message says what to change."""
 
 
 def prepare_run(cfg: DictConfig) -> Trainer:
@@ -175,14 +180,60 @@ class Trainer:
         if self.t.limit_eval_batches:
             ids = ids[: self.t.limit_eval_batches * self.cfg.data.eval_batch_size]
         batches = self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size)
-        return evaluate(
-            self.strategy.eval_module(),
-            batches,
-            self.device,
-            self.autocast,
-            flip_tta=self.t.flip_tta,
-            tta_shift=self.t.tta_shift,
-        )
+        try:
+            return evaluate(
+                self.strategy.eval_module(),
+                batches,
+                self.device,
+                self.autocast,
+                flip_tta=self.t.flip_tta,
+                tta_shift=self.t.tta_shift,
+            )
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemory(self.out_of_memory(exc, training=False)) from None
+
+    def out_of_memory(self, exc: torch.OutOfMemoryError, training: bool) -> str:
+        """One line for a step that ran out of memory: where, how full the device was, and the overrides that
+        need less memory."""
+        lay, dev = self.layout, self.device
+        where = f"{'CUDA' if dev.type == 'cuda' else dev.type.upper()} out of memory in a"
+        where += f"{' training' if training else 'n evaluation'} step on rank {self.env.rank} ({dev})"
+        if dev.type == "cuda":
+            total = torch.cuda.get_device_properties(dev).total_memory / 2**30
+            where += f" at {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} of {total:.1f} GiB allocated"
+        tried = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
+        if tried:
+            where += f", {tried.group(1)} more requested"
+        fixes = []
+        if training:
+            batch = lay.per_device_batch
+            if batch > 1:  # more micro-steps of fewer images: the same global batch, so the same run
+                lower = f"lower data.batch_size (now {lay.global_batch})"
+                step = lay.world_size * lay.devices_per_process
+                more = [
+                    a
+                    for a in range(lay.accumulate + 1, lay.global_batch // step + 1)
+                    if lay.global_batch % (step * a) == 0
+                ]
+                fixes.append(f"{lower} or set trainer.accumulate_grad_batches={more[0]}" if more else lower)
+            if not self.t.activation_checkpointing:
+                fixes.append("set trainer.activation_checkpointing=true")
+        else:
+            batch = max(1, self.cfg.data.eval_batch_size // lay.devices_per_process)
+            if batch > 1:
+                fixes.append(f"lower data.eval_batch_size (now {self.cfg.data.eval_batch_size})")
+        if lay.strategy != "fsdp":
+            devices = lay.world_size * lay.devices_per_process
+            if dev.type == "cuda":
+                devices = max(devices, torch.cuda.device_count())
+            fixes.append(f"shard the model with strategy=fsdp trainer.devices={devices if devices > 1 else 'N'}")
+        else:
+            if getattr(self.strategy, "reshard_after_forward", True) is not True:
+                fixes.append("set strategy.reshard_after_forward=true")
+            if getattr(self.strategy, "cpu_offload", True) is False:
+                fixes.append("set strategy.cpu_offload=true")
+            fixes.append("shard over more GPUs (trainer.devices, more nodes)")
+        return f"{where}, {batch} images per device: {'; '.join(fixes[:-1])}{'; or ' if fixes[1:] else ''}{fixes[-1]}"
 
     # --- the loop ---------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, stop: StopRequest) -> dict:
@@ -191,37 +242,36 @@ class Trainer:
         first = p.step if epoch == p.epoch else 0
         meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
         reset_peak(self.device)
-        bar = tqdm(
+        with tqdm(
             total=len(steps),
             initial=first,
             desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
             leave=False,
             dynamic_ncols=True,
             disable=not (self.primary and self.t.progress_bar),
-        )
-        self.model.train()
-        batches, step = self.loader.train_batches(steps[first:], epoch), first
-        while (micro := meter.next(batches)) is not None:
-            if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
-                torch.compiler.cudagraph_mark_step_begin()
-            with self.strategy.sync_context(micro.boundary), self.autocast():
-                # sum / (samples of the whole step), x world where the strategy averages over ranks
-                loss, metrics = self.loss_terms(
-                    self.model(micro.x), micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing
-                )
-            self.scaler.scale(loss).backward()
-            meter.add(metrics, len(micro.y))
-            if not micro.boundary:
-                continue
-            self.strategy.sync_gradients()
-            self.optimizer_step()
-            step += 1
-            bar.update(1)
-            if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
-                bar.set_postfix(loss=f"{meter.totals[0].item() / max(meter.samples, 1):.4f}")
-            if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
-                self._save_and_exit(stop, epoch, step, meter)
-        bar.close()
+        ) as bar:  # closed on an error too: its line must not swallow the one-line error
+            self.model.train()
+            batches, step = self.loader.train_batches(steps[first:], epoch), first
+            while (micro := meter.next(batches)) is not None:
+                if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
+                    torch.compiler.cudagraph_mark_step_begin()
+                with self.strategy.sync_context(micro.boundary), self.autocast():
+                    # sum / (samples of the whole step), x world where the strategy averages over ranks
+                    loss, metrics = self.loss_terms(
+                        self.model(micro.x), micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing
+                    )
+                self.scaler.scale(loss).backward()
+                meter.add(metrics, len(micro.y))
+                if not micro.boundary:
+                    continue
+                self.strategy.sync_gradients()
+                self.optimizer_step()
+                step += 1
+                bar.update(1)
+                if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
+                    bar.set_postfix(loss=f"{meter.totals[0].item() / max(meter.samples, 1):.4f}")
+                if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
+                    self._save_and_exit(stop, epoch, step, meter)
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
             self.loader.prepare(self.plan(epoch + 1), epoch + 1)
         row = meter.finish(sum(s.global_count for s in steps[first:]))
@@ -256,7 +306,10 @@ class Trainer:
         stop = StopRequest(elastic=self.env.launcher == "torchelastic")
         try:
             for epoch in range(self.progress.epoch, self.t.max_epochs):
-                row = {"epoch": epoch + 1, **self.train_epoch(epoch, stop)}
+                try:
+                    row = {"epoch": epoch + 1, **self.train_epoch(epoch, stop)}
+                except torch.OutOfMemoryError as exc:
+                    raise OutOfMemory(self.out_of_memory(exc, training=True)) from None
                 row["train_sec_total"] = self.progress.train_seconds + row["epoch_sec"]  # for time-to-accuracy
                 for split in ("val", "test") if self.t.test_every_epoch else ("val",):
                     if len(getattr(self.data, split)):  # test every epoch: a curve, never used to pick weights
@@ -273,6 +326,12 @@ class Trainer:
                     self.reporter.epoch(row)
         finally:
             stop.restore()
+
+    def failed(self, exc: Diverged | OutOfMemory) -> ConfigError:
+        """A training run that cannot go on: metrics.json says why, the user gets the message as one line."""
+        if self.primary and self.cfg.train:  # an evaluation (train=false) leaves the training run's file alone
+            self.reporter.failed("diverged" if isinstance(exc, Diverged) else "out_of_memory", self.progress.history)
+        return ConfigError(str(exc))
 
     def execute(self) -> dict:
         self.build()
@@ -296,10 +355,8 @@ class Trainer:
                 self.progress = self.checkpoints.restore(path)
             try:
                 self.fit()
-            except Diverged as exc:
-                if self.primary:
-                    self.reporter.failed("diverged", self.progress.history)
-                raise ConfigError(str(exc)) from None
+            except (Diverged, OutOfMemory) as exc:
+                raise self.failed(exc) from None
             # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
             self.strategy.sync_buffers()
             in_sync = self.strategy.replicas_agree(self.device)
@@ -315,8 +372,11 @@ class Trainer:
             status = "evaluated"
             self.strategy.sync_buffers()
             in_sync = self.strategy.replicas_agree(self.device)
-        val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
-        test = self.evaluate("test")
+        try:
+            val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
+            test = self.evaluate("test")
+        except OutOfMemory as exc:
+            raise self.failed(exc) from None
         final = {
             "test_loss": test["loss"],
             "test_top1": test["top1"],
