@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,10 +166,20 @@ def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val
         return torch.from_numpy(idx), torch.empty(0, dtype=torch.long)
     try:
         keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
-    except ValueError as exc:  # sklearn: a side too small to hold every class once, or empty
+    except ValueError:  # sklearn: a side too small to hold every class once
+        n, (classes, counts) = len(labels), labels.unique(return_counts=True)
+        if counts.min() < 2:
+            raise ConfigError(
+                f"{key}={fraction}: class {int(classes[counts.argmin()])} has only 1 sample, too few to hold out "
+                f"part of every class; {'set it to 0 or ' if key.endswith('val_fraction') else ''}add samples"
+            ) from None
+        classes = len(classes)
+        # sklearn holds out ceil(fraction * n); both sides need every class once
+        ok = [k / 100 for k in range(1, 100) if classes <= math.ceil(k / 100 * n) <= n - classes]
+        fits = f"set {key} between {ok[0]} and {ok[-1]}" if ok else f"{n} samples are too few for {key}"
         raise ConfigError(
-            f"{key}={fraction} cannot split {len(labels)} samples of {len(labels.unique())} "
-            f"classes ({str(exc).strip().splitlines()[0]}); pick a value nearer 0.1"
+            f"{key}={fraction} cannot split {n} samples of {classes} classes so that both sides hold every class; "
+            f"{fits}{', or 0 for none' if key.endswith('val_fraction') else ''}"
         ) from None
     return torch.from_numpy(np.sort(keep)), torch.from_numpy(np.sort(held))
 

@@ -4,6 +4,7 @@ cache, and one-line errors for bad data and bad data settings."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 
 from src import datasets, shards
 from src.config import ConfigError
-from src.datasets import DataBundle, Split, carve_val, check_data_config, load_data
+from src.datasets import DataBundle, Split, carve_val, check_data_config, load_data, stratified_split
 from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
 
 DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synthetic")
@@ -390,6 +391,23 @@ def test_a_folder_named_like_an_image_is_no_sample(tmp_path):
     _write_tree(root)
     (root / "test/a/x.bmp").mkdir()
     assert len(_load(tmp_path, root).test) == 9
+
+
+def test_a_split_too_small_for_every_class_names_the_fractions_that_work():
+    labels = torch.arange(64) % 10  # 64 samples of 10 classes: 0.1 holds out 7, fewer than the classes
+    with pytest.raises(ConfigError) as info:
+        stratified_split(labels, 0.1)
+    message = str(info.value)
+    assert message.startswith("data.val_fraction=0.1 cannot split 64 samples of 10 classes") and "\n" not in message
+    low, high = (float(v) for v in re.search(r"between ([\d.]+) and ([\d.]+)", message).groups())
+    for fraction in (low, high):  # the range's ends split, every class on both sides
+        keep, held = stratified_split(labels, fraction)
+        assert len(labels[keep].unique()) == len(labels[held].unique()) == 10
+    for fraction in (round(low - 0.01, 2), round(high + 0.01, 2)):  # just outside: refused
+        with pytest.raises(ConfigError, match="cannot split"):
+            stratified_split(labels, fraction)
+    with pytest.raises(ConfigError, match=r"class 1 has only 1 sample"):
+        stratified_split(torch.tensor([0, 0, 1, 2, 2]), 0.4)
 
 
 @pytest.mark.parametrize(
