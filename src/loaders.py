@@ -421,7 +421,9 @@ class DiskLoader(ClassicLoader):
         self.requests = {k: _Requests() for k in self.datasets}
         self.loaders = {}
         self.skipped = 0
-        self.stream = torch.cuda.Stream(device) if on_device and device.type == "cuda" else None
+        # high priority: the crops are hundreds of small kernels in a row; at normal priority each waits for the
+        # model's large kernels to drain from the SMs, and a batch took as long as a training step
+        self.stream = torch.cuda.Stream(device, priority=-1) if on_device and device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None  # the side stream's last batch
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
