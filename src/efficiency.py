@@ -133,3 +133,16 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
         }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_host_mem_gb": rss * (1 if sys.platform == "darwin" else 1024) / GIB}  # macOS: bytes, Linux: KiB
+
+
+def out_of_memory_line(exc: BaseException, where: str, device: torch.device, images: int, fixes: list[str]) -> str:
+    """One line for a step that ran out of memory: where, how full the device was, how many images per device,
+    and the overrides that need less memory."""
+    line = f"{'CUDA' if device.type == 'cuda' else device.type.upper()} out of memory in {where} ({device})"
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / GIB
+        line += f" at {torch.cuda.max_memory_allocated(device) / GIB:.1f} of {total:.1f} GiB allocated"
+    tried = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
+    if tried:
+        line += f", {tried.group(1)} more requested"
+    return f"{line}, {images} images per device: {'; '.join(fixes[:-1])}{'; or ' if fixes[1:] else ''}{fixes[-1]}"

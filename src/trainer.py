@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from tqdm import tqdm
 from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
-from src.efficiency import memory_stats, peak_flops, reset_peak, train_step_flops
+from src.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.evaluate import evaluate
 from src.loaders import build_loader, eval_shard, plan_epoch
 from src.meter import EpochMeter
@@ -193,47 +192,26 @@ class Trainer:
             raise OutOfMemory(self.out_of_memory(exc, training=False)) from None
 
     def out_of_memory(self, exc: torch.OutOfMemoryError, training: bool) -> str:
-        """One line for a step that ran out of memory: where, how full the device was, and the overrides that
-        need less memory."""
-        lay, dev = self.layout, self.device
-        where = f"{'CUDA' if dev.type == 'cuda' else dev.type.upper()} out of memory in a"
-        where += f"{' training' if training else 'n evaluation'} step on rank {self.env.rank} ({dev})"
-        if dev.type == "cuda":
-            total = torch.cuda.get_device_properties(dev).total_memory / 2**30
-            where += f" at {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} of {total:.1f} GiB allocated"
-        tried = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
-        if tried:
-            where += f", {tried.group(1)} more requested"
+        lay, data = self.layout, self.cfg.data
         fixes = []
         if training:
-            batch = lay.per_device_batch
-            if batch > 1:  # more micro-steps of fewer images: the same global batch, so the same run
+            images = lay.per_device_batch
+            if images > 1:  # more micro-steps of fewer images: the same global batch, so the same run
+                per_step = lay.global_batch // (lay.world_size * lay.devices_per_process)
+                more = [a for a in range(lay.accumulate + 1, per_step + 1) if per_step % a == 0]
                 lower = f"lower data.batch_size (now {lay.global_batch})"
-                step = lay.world_size * lay.devices_per_process
-                more = [
-                    a
-                    for a in range(lay.accumulate + 1, lay.global_batch // step + 1)
-                    if lay.global_batch % (step * a) == 0
-                ]
                 fixes.append(f"{lower} or set trainer.accumulate_grad_batches={more[0]}" if more else lower)
             if not self.t.activation_checkpointing:
                 fixes.append("set trainer.activation_checkpointing=true")
         else:
-            batch = max(1, self.cfg.data.eval_batch_size // lay.devices_per_process)
-            if batch > 1:
-                fixes.append(f"lower data.eval_batch_size (now {self.cfg.data.eval_batch_size})")
-        if lay.strategy != "fsdp":
-            devices = lay.world_size * lay.devices_per_process
-            if dev.type == "cuda":
-                devices = max(devices, torch.cuda.device_count())
-            fixes.append(f"shard the model with strategy=fsdp trainer.devices={devices if devices > 1 else 'N'}")
-        else:
-            if getattr(self.strategy, "reshard_after_forward", True) is not True:
-                fixes.append("set strategy.reshard_after_forward=true")
-            if getattr(self.strategy, "cpu_offload", True) is False:
-                fixes.append("set strategy.cpu_offload=true")
-            fixes.append("shard over more GPUs (trainer.devices, more nodes)")
-        return f"{where}, {batch} images per device: {'; '.join(fixes[:-1])}{'; or ' if fixes[1:] else ''}{fixes[-1]}"
+            images = max(1, data.eval_batch_size // lay.devices_per_process)
+            if images > 1:
+                fixes.append(f"lower data.eval_batch_size (now {data.eval_batch_size})")
+        devices = lay.world_size * lay.devices_per_process
+        if self.device.type == "cuda":
+            devices = max(devices, torch.cuda.device_count())
+        where = f"a{' training' if training else 'n evaluation'} step on rank {self.env.rank}"
+        return out_of_memory_line(exc, where, self.device, images, fixes + self.strategy.memory_fixes(devices))
 
     # --- the loop ---------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, stop: StopRequest) -> dict:

@@ -86,3 +86,19 @@ def test_out_of_memory_in_evaluation_names_the_eval_batch(tmp_path):
     assert "512 images per device: lower data.eval_batch_size (now 512)" in line, line
     assert "data.batch_size" not in line and "activation_checkpointing" not in line, line
     assert read_metrics(run_dir)["status"] == "out_of_memory"
+
+
+def test_fsdp_suggests_its_own_memory_options_not_itself(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "debug=fast",
+        "model._target_=tests.test_oom.HungryCNN",
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "strategy.reshard_after_forward=false",
+        f"hydra.run.dir={run_dir}",
+    )
+    line = _error_line(proc)
+    assert "out of memory in a training step on rank" in line, line
+    assert "set strategy.reshard_after_forward=true; set strategy.cpu_offload=true" in line, line
+    assert line.endswith("or shard over more GPUs (trainer.devices, more nodes)") and "strategy=fsdp" not in line, line

@@ -97,6 +97,10 @@ class Strategy:
     def preflight(self, cfg) -> None:
         """Checks that need the model (built on the meta device: no memory, no time)."""
 
+    def memory_fixes(self, devices: int) -> list[str]:
+        """What this strategy can change when a step runs out of memory (`devices`: the GPUs there are)."""
+        return [f"shard the model with strategy=fsdp trainer.devices={devices if devices > 1 else 'N'}"]
+
     def hparams(self, cfg) -> dict:
         """The strategy's settings a comparison is about (HParams, metrics.json, the report)."""
         return {"strategy": self.name, "sync_bn": self.sync_bn, "gradient_sync": "none"}

@@ -56,6 +56,11 @@ class FSDP(_Distributed):
         with torch.device("meta"):
             shard_targets(build_model(cfg.model, num_classes=10, in_channels=3), self.shard_modules)
 
+    def memory_fixes(self, devices):
+        fixes = [] if self.reshard_after_forward is True else ["set strategy.reshard_after_forward=true"]
+        fixes += [] if self.cpu_offload else ["set strategy.cpu_offload=true"]
+        return [*fixes, "shard over more GPUs (trainer.devices, more nodes)"]
+
     def blocks(self, model):
         return shard_targets(model, self.shard_modules)
 
