@@ -21,7 +21,8 @@ from src.augment import DiskCrops, rrc_boxes, rrc_params, sample_uniforms
 from src.config import ConfigError
 from src.datasets import load_data
 from src.decode import decode_cpu, gpu_decodable
-from src.loaders import DiskLoader, build_loader, plan_epoch
+from src.disk_loader import DiskLoader
+from src.loaders import build_loader, plan_epoch
 from src.trainer import train
 from tests.conftest import make_cfg
 
@@ -242,7 +243,7 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
         with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
             batches(data, cfg, steps, 0, decode)
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
-    with caplog.at_level(logging.WARNING, logger="src.loaders"):
+    with caplog.at_level(logging.WARNING, logger="src.disk_loader"):
         ((x, y),) = batches(data, cfg, steps, 0, "gpu")
     assert len(x) == len(y) == 7
     assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
