@@ -113,3 +113,33 @@ def test_override_reaches_every_loop_run(tmp_path):
     run = json.loads(out.read_text())["runs"]["ddp2-gpu"]
     assert "strategy.gradient_sync=after_backward" in run["overrides"]
     assert run["hparams"]["gradient_sync"] == "after_backward"  # the default (auto) would be reducer here
+
+
+def test_strategies_table_marks_what_runs_out_of_memory_and_reports_what_fits(tmp_path):
+    """bench/strategies_table.py --variant ...: a row per variant from its own metrics.json; a variant that runs
+    out of memory (a model that does on this CPU, tests/test_oom.py) is a row saying so, with train.py's line."""
+    out = tmp_path / "why.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench/strategies_table.py"),
+            "--epochs=2",
+            f"--out={out}",
+            "--variant=fits:strategy=single",
+            "--variant=hungry:strategy=single model._target_=tests.test_oom.HungryCNN",
+            "debug=fast",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = {r["variant"]: r for r in json.loads(out.with_suffix(".json").read_text())}
+    assert results["fits"]["status"] == "completed" and results["hungry"]["status"] == "out_of_memory"
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.read_text().splitlines() if line.startswith("| ")}
+    final = results["fits"]["metrics"]["final"]
+    assert f"| yes | {final['images_per_sec']:,.0f} | {final['peak_host_mem_gb']:.1f} (host) |" in rows["fits"]
+    assert "| **out of memory** |" in rows["hungry"]
+    assert f"- hungry: {results['hungry']['error']}" in out.read_text()
+    assert results["hungry"]["error"].startswith("CPU out of memory in a training step on rank 0")
