@@ -10,6 +10,7 @@ per batch by DataLoader workers or on the training device (`data.decode`).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 import math
@@ -92,6 +93,27 @@ OWN_KEYS = {
 }
 
 
+BUILDER_KEYS = ("_target_", "name", "root", "download")  # what the builders of src/ read besides the tables
+
+
+def _check_keys(cfg: DictConfig, builder: Callable) -> None:
+    """A key no builder of src/ reads is a typo (e.g. +data.num_worker=4 would change nothing): refused. A
+    builder of your own may read keys of its own: those are refused only when they look like a known key."""
+    known = (*SHARED_KEYS, *OWN_KEYS, *BUILDER_KEYS)
+    ours = builder.__module__.startswith("src.")
+    for key in cfg:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"data.{key} is not a data option; did you mean data.{close[0]}?")
+        if ours:
+            raise ConfigError(
+                f"data.{key} is not an option of data={cfg.get('name')}; the data options are "
+                f"{', '.join(k for k in known if not k.startswith('_'))}"
+            )
+
+
 def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
     """The function `data._target_` names."""
     target = cfg.get("_target_")
@@ -117,9 +139,10 @@ def check_data_config(cfg: DictConfig) -> None:
     missing = [key for key in cfg if OmegaConf.is_missing(cfg, key)]
     if missing:
         raise ConfigError(f"data.{missing[0]} must be set for data={cfg.get('name')}, e.g. data.{missing[0]}=...")
-    builder_of(cfg)
+    builder = builder_of(cfg)
     if not isinstance(cfg.get("name"), str):
         raise ConfigError(f"data.name must be a string (the dataset's label in reports), got {cfg.get('name')!r}")
+    _check_keys(cfg, builder)
     absent = [key for key in SHARED_KEYS if key not in cfg]
     if absent:
         raise ConfigError(f"data.{absent[0]} is missing; start the data YAML with `defaults: [_common, _self_]`")

@@ -172,6 +172,7 @@ def test_a_builder_defined_in_a_test_trains_end_to_end(tmp_path):
         tmp_path,
         "data._target_=tests.test_data.toy_bars",
         "data.name=toy",
+        "+data.bar_width=2",  # a key of its own: not one of src/'s, not refused
         "data.batch_size=32",
         "trainer.limit_train_batches=null",
         "trainer.max_epochs=3",
@@ -415,6 +416,8 @@ def test_a_split_too_small_for_every_class_names_the_fractions_that_work():
     [
         ("data.val_fraction=0.999", r"data.val_fraction=0.999 cannot split 1437 samples of 10 classes"),
         ("data.test_fraction=0.001", r"data.test_fraction=0.001 cannot split 1797 samples of 10 classes"),
+        ("+data.num_worker=4", r"^data.num_worker is not a data option; did you mean data.num_workers\?$"),
+        ("+data.foo=1", r"^data.foo is not an option of data=digits; the data options are batch_size, "),
         ("data.val_fraction=1.0", r"data.val_fraction must be a number in \[0, 1\), got 1.0"),
         ("data.val_fraction=-0.1", r"data.val_fraction must be a number in \[0, 1\), got -0.1"),
         ("data.val_fraction=some", r"data.val_fraction must be a number in \[0, 1\), got 'some'"),
