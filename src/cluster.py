@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -11,10 +12,36 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
 
+# the keys of conf/cluster/*.yaml; a YAML of your own may add keys for its launcher settings to interpolate
+KEYS = (
+    "name",
+    "nodes",
+    "tasks_per_node",
+    "gpus_per_node",
+    "cpus_per_task",
+    "mem_gb",
+    "timeout_min",
+    "partition",
+    "account",
+    "qos",
+    "max_requeues",
+    "setup",
+)
+
+
+def check_keys(c: DictConfig) -> None:
+    """A key that looks like a known one but is not (+cluster.partion=gpu) is a typo that would submit to the
+    default partition: refused."""
+    for key in c:
+        close = [] if key in KEYS else difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"cluster.{key} is not a cluster option; HINT: did you mean cluster.{close[0]}?")
+
 
 def check_layout(cfg: DictConfig) -> None:
     from src.strategies import build_strategy
 
+    check_keys(cfg.cluster)
     c, strategy = cfg.cluster, build_strategy(cfg.strategy)
     nodes, tasks, gpus = c.nodes, c.tasks_per_node, c.get("gpus_per_node")
     if not (isinstance(nodes, int) and nodes >= 1 and isinstance(tasks, int) and tasks >= 1):

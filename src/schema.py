@@ -227,6 +227,8 @@ def check(cfg: DictConfig) -> None:
         )
     for name, options in (cfg.get("logger") or {}).items():
         check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
+    from src.cluster import check_keys
     from src.datasets import check_data_config
 
+    check_keys(cfg.cluster)
     check_data_config(cfg.data)

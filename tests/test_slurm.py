@@ -129,6 +129,8 @@ BAD_LAYOUTS = {  # overrides -> the start of the one-line error
         "cluster.tasks_per_node=4",
     ): "cluster.tasks_per_node=4 > cluster.gpus_per_node=2",
     ("cluster=local_tasks", "cluster.nodes=2"): "cluster.nodes=2 with submitit's local executor",
+    ("cluster=slurm", "+cluster.partion=gpu"): "cluster.partion is not a cluster option; HINT: did you mean "
+    "cluster.partition?",
 }
 
 
