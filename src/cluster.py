@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
+from src.schema import refuse_lookalikes
 
 # the keys of conf/cluster/*.yaml; a YAML of your own may add keys for its launcher settings to interpolate
 KEYS = (
@@ -30,12 +30,8 @@ KEYS = (
 
 
 def check_keys(c: DictConfig) -> None:
-    """A key that looks like a known one but is not (+cluster.partion=gpu) is a typo that would submit to the
-    default partition: refused."""
-    for key in c:
-        close = [] if key in KEYS else difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8)
-        if close:
-            raise ConfigError(f"cluster.{key} is not a cluster option; HINT: did you mean cluster.{close[0]}?")
+    """+cluster.partion=gpu would submit to the default partition: refused."""
+    refuse_lookalikes(c, "cluster", KEYS, hint="HINT: ")
 
 
 def check_layout(cfg: DictConfig) -> None:

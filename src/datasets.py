@@ -10,7 +10,6 @@ per batch by DataLoader workers or on the training device (`data.decode`).
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import logging
 import math
@@ -26,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
 from src.decode import EncodedImages, FileImages, unreadable
+from src.schema import refuse_lookalikes
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +100,13 @@ def _check_keys(cfg: DictConfig, builder: Callable) -> None:
     """A key no builder of src/ reads is a typo (e.g. +data.num_worker=4 would change nothing): refused. A
     builder of your own may read keys of its own: those are refused only when they look like a known key."""
     known = (*SHARED_KEYS, *OWN_KEYS, *BUILDER_KEYS)
-    ours = builder.__module__.startswith("src.")
-    for key in cfg:
-        if key in known:
-            continue
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-        if close:
-            raise ConfigError(f"data.{key} is not a data option; did you mean data.{close[0]}?")
-        if ours:
-            raise ConfigError(
-                f"data.{key} is not an option of data={cfg.get('name')}; the data options are "
-                f"{', '.join(k for k in known if not k.startswith('_'))}"
-            )
+    refuse_lookalikes(cfg, "data", known)
+    unknown = [key for key in cfg if key not in known]
+    if unknown and builder.__module__.startswith("src."):
+        raise ConfigError(
+            f"data.{unknown[0]} is not an option of data={cfg.get('name')}; the data options are "
+            f"{', '.join(k for k in known if not k.startswith('_'))}"
+        )
 
 
 def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:

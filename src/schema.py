@@ -10,6 +10,7 @@ optionally wrapped in `Annotated[X, Range(...)]`.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import types
 import typing
@@ -144,6 +145,15 @@ def check_section(cfg: DictConfig | None, prefix: str, spec, skip: tuple[str, ..
         check_value(f"{prefix}.{key}", value, options[key])
 
 
+def refuse_lookalikes(cfg: DictConfig, prefix: str, known, hint: str = "") -> None:
+    """For groups that may hold keys of the user's own (read by their code or interpolated elsewhere): a key that
+    is not one of `known` but looks like one (num_worker, partion) is a typo, refused with the key it resembles."""
+    for key in cfg:
+        close = [] if key in known else difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{prefix}.{key} is not a {prefix} option; {hint}did you mean {prefix}.{close[0]}?")
+
+
 def target_of(cfg: DictConfig, prefix: str):
     """The class or function named by `<prefix>._target_`, or a one-line error."""
     from hydra.utils import get_object
@@ -231,4 +241,5 @@ def check(cfg: DictConfig) -> None:
     from src.datasets import check_data_config
 
     check_keys(cfg.cluster)
+    refuse_lookalikes(cfg.paths, "paths", ("root_dir", "data_dir", "log_dir", "output_dir"))
     check_data_config(cfg.data)

@@ -138,6 +138,8 @@ BAD_VALUES = [
     ("trainer.threads=0", "trainer.threads must be one of auto or a positive integer"),
     ("trainer.limit_train_batches=0", "trainer.limit_train_batches must be a positive integer or null"),
     ("+trainer.max_epoch=3", "trainer.max_epoch is not an option of trainer"),
+    ("+paths.log_dirr=/tmp", "paths.log_dirr is not a paths option; did you mean paths.log_dir?"),  # was: ignored
+    ("+data.num_worker=4", "data.num_worker is not a data option; did you mean data.num_workers?"),  # was: ignored
     ("+strategy.bucket_cap_mb=10", "strategy.bucket_cap_mb is not an option of strategy (Single)"),
     ("strategy=ddp strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb must be a number > 0"),
     ("strategy=fsdp strategy.reshard_after_forward=maybe", "strategy.reshard_after_forward must be true or false"),
