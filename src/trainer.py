@@ -141,7 +141,21 @@ class Trainer:
     def _count_flops(self, model: torch.nn.Module) -> float:
         """FLOPs of one training image (forward + backward), counted once on two images: linear in the batch."""
         x = torch.randn(2, self.data.channels, *self.data.image_size, device=self.device)
-        return train_step_flops(model, x, torch.zeros(2, dtype=torch.long, device=self.device)) / 2
+        try:  # the model's first forward: where a model built for other inputs fails
+            return train_step_flops(model, x, torch.zeros(2, dtype=torch.long, device=self.device)) / 2
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            m, shape = self.cfg.model, "x".join(map(str, x.shape[1:]))
+            name = f"model={m.name}" if m.get("name") else f"model._target_={m._target_}"
+            side = self.data.image_size[0]
+            hint = "pick a model" if "img_size" not in m else f"set model.img_size={side} (ViTs)"
+            if m.get("img_size") == side:  # the size fits, the patches do not
+                hint = f"set a patch no larger than the image, e.g. +model.kwargs.patch_size={max(1, side // 2)}"
+            raise ConfigError(
+                f"{name} cannot take this data's {shape} images ({str(exc).strip().splitlines()[-1]}); {hint} "
+                f"or choose a model for this input size"
+            ) from None
 
     def efficiency(self, images_per_sec: float) -> dict:
         """Peak memory (max over ranks) and achieved TFLOP/s and MFU per device (collective)."""

@@ -69,6 +69,24 @@ def test_cli_bad_model_name_is_one_stderr_line(tmp_path, model):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "'nope'" in lines[0], proc.stderr
 
 
+@needs_timm
+@pytest.mark.parametrize(
+    "size, hint",
+    [
+        ([], "set model.img_size=8 (ViTs)"),  # built for 224 px
+        (["model.img_size=8"], "+model.kwargs.patch_size=4"),  # 8 px, but 16 px patches
+    ],
+)
+def test_a_model_built_for_other_inputs_is_one_line_saying_what_to_set(tmp_path, size, hint):
+    """A ViT built for 224 px on the 8 x 8 digits failed in its first forward with a traceback."""
+    proc = run_cli("model=timm", "model.name=vit_tiny_patch16_224", *size, f"hydra.run.dir={tmp_path}/r", timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: model=vit_tiny_patch16_224 cannot take this data's 1x8x8 images (")
+    assert hint in lines[0], lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 # --- efficiency ---------------------------------------------------------------------------------------------
 
 
