@@ -94,7 +94,10 @@ def load(path: Path | str) -> dict:
             )
         return _read(path, path / STATE)
     if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist; pass an existing file or trainer.resume=none")
+        raise ConfigError(
+            f"checkpoint {path} does not exist; pass one train.py wrote (a run's checkpoints/last.pt or best.pt, "
+            f"or checkpoints/last/ of a sharded fsdp run)"
+        )
     state = _read(path, path)
     if not isinstance(state, dict) or "model" not in state:
         raise ConfigError(f"{path} is not a ddplab checkpoint (no 'model' entry); pass a file written by train.py")
