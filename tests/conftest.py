@@ -46,15 +46,21 @@ def run_cli(
     )
 
 
-def start_until_checkpoint(*args: str, run_dir: Path, timeout: float = 120) -> subprocess.Popen:
-    """Start `train.py args` and return once its first checkpoint exists (it is training, its handlers are set)."""
-    proc = subprocess.Popen(
+def start_train(*args: str) -> subprocess.Popen:
+    """`train.py args` in the background, its output (stdout and stderr, unbuffered) on `proc.stdout`."""
+    return subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def start_until_checkpoint(*args: str, run_dir: Path, timeout: float = 120) -> subprocess.Popen:
+    """Start `train.py args` and return once its first checkpoint exists (it is training, its handlers are set)."""
+    proc = start_train(*args)
     deadline = time.time() + timeout
     while not (run_dir / "checkpoints/last.pt").exists() and time.time() < deadline:
         time.sleep(0.02)

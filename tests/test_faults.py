@@ -18,7 +18,7 @@ import torch
 from src.config import ConfigError
 from src.launch import main as launch
 from src.resume import reconcile
-from tests.conftest import ROOT, read_metrics, run_cli, start_until_checkpoint, weights
+from tests.conftest import ROOT, read_metrics, run_cli, start_train, start_until_checkpoint, weights
 
 
 def _one_line_error(proc, message: str) -> None:
@@ -498,14 +498,7 @@ def test_impossible_cutout_and_misspelt_top_level_keys_are_refused(cfg_factory, 
 
 def _signal_when(args: list[str], trigger: str, sig: int, pick=None) -> subprocess.CompletedProcess:
     """Run train.py, and once `trigger` is printed send `sig` to it (or to the pid `pick(pid)` chooses)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = start_train(*args)
     watchdog = threading.Timer(180, proc.kill)
     watchdog.start()
     out = []
@@ -539,13 +532,7 @@ def _check_signalled(done, run_dir, code: int, said: str) -> None:
 
 def test_sigterm_while_a_run_sets_up_stops_it_at_once_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *LONG, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_train(*LONG, f"hydra.run.dir={run_dir}")
     while not (run_dir / ".lock").exists() and proc.poll() is None:  # taken as the run starts to set up
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)  # nothing trained yet: nothing to checkpoint

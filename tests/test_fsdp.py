@@ -25,7 +25,7 @@ from src.models import TinyCNN
 from src.schema import Positive
 from src.strategies import FSDP, Context, Single, apply_activation_checkpointing, shard_targets
 from src.trainer import train
-from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
+from tests.conftest import ROOT, make_cfg, read_metrics, run_cli, start_train
 
 pytestmark = pytest.mark.slow
 
@@ -278,14 +278,7 @@ def _workers(launcher: subprocess.Popen) -> list[int]:
 
 
 def _kill_a_rank_after_the_first_checkpoint(run: Path, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *ARGS, *extra, f"hydra.run.dir={run}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = start_train(*ARGS, *extra, f"hydra.run.dir={run}")
     deadline = time.time() + 120
     while time.time() < deadline and ckpt.find(run / "checkpoints", "last") is None:
         time.sleep(0.02)
@@ -331,13 +324,7 @@ def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straig
     for key in ("test_loss", "test_top1", "test_top5", "val_loss"):
         assert evaluated[key] == pytest.approx(final[key], rel=1e-6), key
     out = tmp_path / "best.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "src.checkpoint", "export", str(best), str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("export", str(best), str(out), command=[sys.executable, "-m", "src.checkpoint"], timeout=120)
     assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
     exported = torch.load(out, weights_only=False)
     # the same tensors as single reads from the shards through DCP

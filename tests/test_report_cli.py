@@ -57,6 +57,20 @@ def make_job(sweep, overrides, metrics=None, choices=CHOICES, config=CONFIG, hpa
     return job
 
 
+def _make(*args: str) -> list[str]:
+    """The project's Makefile run from another directory, with this venv (-o: it is there, do not reinstall)."""
+    return [
+        "make",
+        "-s",
+        "-f",
+        str(ROOT / "Makefile"),
+        "-o",
+        str(ROOT / ".venv" / ".installed"),
+        f"VENV={ROOT / '.venv'}",
+        *args,
+    ]
+
+
 def test_png_values_beside_error_bars_and_accuracy_axis_zoomed(tmp_path):
     tops = {"a": [97.9, 98.3, 98.1], "b": [97.1, 97.6, 97.2], "c": [98.6, 98.5, 98.9]}
     for config, values in tops.items():
@@ -105,19 +119,10 @@ def test_no_argument_reports_the_newest_sweep_that_has_results(tmp_path):
     assert (newest_done / "results.md").read_text() == proc.stdout.split("wrote ")[0].rstrip("\n") + "\n"
     assert not (running / "results.md").exists() and not (oldest / "results.md").exists()
 
-    # make report without SWEEP= does the same (-o: the venv is there, do not reinstall)
+    # make report without SWEEP= does the same
     (newest_done / "results.md").unlink()
     make = subprocess.run(
-        [
-            "make",
-            "-s",
-            "-f",
-            str(ROOT / "Makefile"),
-            "-o",
-            str(ROOT / ".venv" / ".installed"),
-            f"VENV={ROOT / '.venv'}",
-            "report",
-        ],
+        _make("report"),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -228,17 +233,7 @@ def test_make_tensorboard_serves_outputs_and_multirun_on_port(tmp_path):
             writer.add_scalar("train/loss", 1.0, 1)
     port = _free_port()
     server = subprocess.Popen(
-        [
-            "make",
-            "-s",
-            "-f",
-            str(ROOT / "Makefile"),
-            "-o",
-            str(ROOT / ".venv" / ".installed"),
-            f"VENV={ROOT / '.venv'}",
-            f"PORT={port}",
-            "tensorboard",
-        ],
+        _make(f"PORT={port}", "tensorboard"),
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

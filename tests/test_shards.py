@@ -4,7 +4,6 @@ few large reads, the same batches as the folder, one-line errors, and a training
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from src.config import ConfigError
 from src.datasets import load_data
 from src.loaders import build_loader, plan_epoch
 from src.trainer import train
-from tests.conftest import ROOT, make_cfg
+from tests.conftest import make_cfg, run_cli
 from tests.test_decode import pil_rgb, write_tree
 
 
@@ -109,13 +108,7 @@ def test_max_side_reencodes_only_larger_images(tmp_path, packed):
 
 def test_bad_packs_and_commands_are_one_line(tmp_path, packed):
     folder, root = packed
-    proc = subprocess.run(
-        [sys.executable, "-m", "src.shards", "pack", str(folder), str(root)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_cli("pack", str(folder), str(root), command=[sys.executable, "-m", "src.shards"], timeout=60)
     assert (
         proc.returncode == 2
         and proc.stderr.strip() == f"error: {root} is not empty; pack into a new folder (or remove this one)"
