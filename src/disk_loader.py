@@ -174,22 +174,20 @@ class DiskLoader(ClassicLoader):
                     y.record_stream(main)
                 yield x, y
 
-    def _finish(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._prepare(batch, split, epoch)  # data.decode=cpu: the workers' uint8 crops
-
     def _on_side_stream(self, batch, split: str, epoch: int | None) -> tuple:
         """(x, y, the event after which they are ready on the device; None off CUDA)."""
         if self.stream is None:
-            return *self._prepare(batch, split, epoch), None
+            return *self._finish(batch, split, epoch), None
         if self._done is not None:  # nvjpeg writes on its own stream, into memory this stream may still read
             self._done.synchronize()
         with torch.cuda.stream(self.stream):
-            x, y = self._prepare(batch, split, epoch)
+            x, y = self._finish(batch, split, epoch)
             self._done = torch.cuda.Event()
             self._done.record(self.stream)
         return x, y, self._done
 
-    def _prepare(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A worker's batch -> the normalized float batch on the device (decoded here when it comes encoded)."""
         skipped, ids, y = list(batch.skipped), batch.ids, batch.y
         if isinstance(batch, _Encoded):
             images = self._decode(batch, split)
