@@ -79,11 +79,23 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
         assert len(r["epoch_sec"]) == 2 and r["hparams"]["world_size"] == r["gpus"]
         assert r["hparams"]["loader"] == ("gpu" if name.endswith("-gpu") else "classic")
         assert r["hparams"]["per_device_batch"] == 64
+        assert r["tflops_per_gpu"] > 0 and "peak_mem_gb" not in r and "mfu" not in r  # CPU: no GPU memory or peak
     assert runs["ceiling-fp32"]["precision"] == "fp32" and len(runs["ceiling-fp32"]["window_sec"]) >= 2
     assert "--smoke" in report["command"] and report["torch_version"]
     check_ratios(report)
     tail = proc.stdout.splitlines()[-10:]  # the table is at the end of stdout
     assert any(line.startswith("ddp2-gpu ") for line in tail) and "written:" in tail[-1]
+    assert any(line.startswith("run ") and line.endswith("peak GB   MFU") for line in tail)
+
+
+@pytest.mark.slow
+def test_synthetic_data_follows_image_size(tmp_path):
+    out = tmp_path / "s.json"
+    proc = bench("--smoke", "--only", "single1-gpu", "--image-size", "16", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "data.shape=[3,16,16]" in report["runs"]["single1-gpu"]["overrides"]
+    assert report["data"] == "synthetic 1024x3x16x16"
 
 
 @pytest.mark.slow

@@ -110,6 +110,16 @@ def test_truncated_checkpoint_is_a_one_line_error(tmp_path):
     assert message.endswith("; pass another file or trainer.resume=none") and "\n" not in message
 
 
+def test_a_checkpoint_that_does_not_exist_says_what_to_pass(tmp_path):
+    """The same line serves trainer.resume, ckpt_path (train=false) and the export command: no key of one of them."""
+    with pytest.raises(ConfigError) as err:
+        ckpt.load(tmp_path / "nope.pt")
+    assert str(err.value) == (
+        f"checkpoint {tmp_path / 'nope.pt'} does not exist; pass one train.py wrote (a run's checkpoints/last.pt "
+        f"or best.pt, or checkpoints/last/ of a sharded fsdp run)"
+    )
+
+
 # --- src/runlock.py: one live run per run directory (it guards the checkpoints of that directory) ---
 
 HOLD = (
