@@ -163,36 +163,25 @@ def rrc_params(seed: int, epoch: int, ids, heights, widths, scale, ratio) -> tup
 
 
 def _resize(image: torch.Tensor, size) -> torch.Tensor:
-    """C x h x w -> C x size, bilinear with antialiasing. On the CPU on uint8 (its fast kernel: ~2x float);
-    elsewhere in float, rounded once per batch (`_to_uint8`)."""
-    x = image[None] if image.device.type == "cpu" else image[None].float()
-    return F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
-
-
-def _batch(images: list[torch.Tensor], size) -> torch.Tensor:
-    device = images[0].device
-    return torch.empty(
-        len(images),
-        images[0].shape[0],
-        *size,
-        device=device,
-        dtype=torch.uint8 if device.type == "cpu" else torch.float32,
-    )
-
-
-def _to_uint8(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.uint8 else x.round_().clamp_(0, 255).to(torch.uint8)
+    """C x h x w -> uint8 C x size, bilinear with antialiasing, on the CPU's uint8 kernel (~2x its float one)."""
+    return F.interpolate(image[None], size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def resized_crops(images: list[torch.Tensor], boxes: np.ndarray, flips: np.ndarray, size) -> torch.Tensor:
     """uint8 B x C x size: image k cropped to boxes[k] (top, left, height, width), resized, mirrored where
-    flips[k]. One resize per image (their sizes differ); the rest is batched."""
-    out = _batch(images, size)
+    flips[k]. On the CPU one resize per image; elsewhere a few batched matrix products (`resample`)."""
+    boxes = np.asarray(boxes, dtype=np.int64).reshape(-1, 4)
+    flips = np.asarray(flips, dtype=bool)
+    if images[0].device.type != "cpu":
+        zero = np.zeros(len(images), dtype=np.int64)
+        rows = np.stack([boxes[:, 0], boxes[:, 2], np.full_like(zero, size[0]), zero], axis=1)
+        cols = np.stack([boxes[:, 1], boxes[:, 3], np.full_like(zero, size[1]), zero], axis=1)
+        return resample(images, rows, cols, flips, size)
+    out = torch.empty(len(images), images[0].shape[0], *size, dtype=torch.uint8)
     for k, (image, (top, left, h, w)) in enumerate(zip(images, boxes.tolist())):
         out[k] = _resize(image[:, top : top + h, left : left + w], size)
-    out = _to_uint8(out)
     if flips.any():
-        out = torch.where(torch.as_tensor(flips, device=out.device).view(-1, 1, 1, 1), out.flip(-1), out)
+        out = torch.where(torch.from_numpy(flips).view(-1, 1, 1, 1), out.flip(-1), out)
     return out
 
 
@@ -207,11 +196,80 @@ def eval_geometry(height: int, width: int, short: int, size) -> tuple[tuple[int,
 
 def resize_center_crops(images: list[torch.Tensor], short: int, size) -> torch.Tensor:
     """uint8 B x C x size: each image's shorter side resized to `short`, then its centre `size` crop."""
-    out = _batch(images, size)
-    for k, image in enumerate(images):
-        resized, (top, left) = eval_geometry(image.shape[1], image.shape[2], short, size)
+    geometry = [eval_geometry(image.shape[1], image.shape[2], short, size) for image in images]
+    if images[0].device.type != "cpu":
+        spans = [
+            [(0, image.shape[1], resized[0], top), (0, image.shape[2], resized[1], left)]
+            for image, (resized, (top, left)) in zip(images, geometry)
+        ]
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2, 4)
+        return resample(images, spans[:, 0], spans[:, 1], np.zeros(len(images), dtype=bool), size)
+    out = torch.empty(len(images), images[0].shape[0], *size, dtype=torch.uint8)
+    for k, (image, (resized, (top, left))) in enumerate(zip(images, geometry)):
         out[k] = _resize(image, resized)[:, top : top + size[0], left : left + size[1]]
-    return _to_uint8(out)
+    return out
+
+
+# --- the same resizes batched: antialiased bilinear resizing is separable, so a resize is two matrix products
+
+def aa_weights(spans: np.ndarray, out: int, padded: int, device) -> torch.Tensor:
+    """float32 B x out x padded: row i of sample b holds the weights of F.interpolate(..., "bilinear",
+    antialias=True) for output pixel offset + i of an image axis of `length` pixels (from `start` on a padded
+    axis) resized to `total` pixels; spans[b] = (start, length, total, offset). As torch's kernel does: a
+    triangle widened by the downscale factor, cut at the image's edges, normalized to sum 1."""
+    start, length, total, offset = (
+        torch.as_tensor(spans[:, k], dtype=torch.float32).to(device, non_blocking=True).view(-1, 1, 1)
+        for k in range(4)
+    )
+    scale = length / total
+    centre = scale * (offset + torch.arange(out, device=device).view(1, -1, 1) + 0.5)
+    j = torch.arange(padded, device=device).view(1, 1, -1) - start  # position in the image
+    w = (1 - ((j + 0.5 - centre) / scale.clamp(min=1)).abs()).clamp_(min=0)
+    w = w * ((j >= 0) & (j < length))
+    return w / w.sum(-1, keepdim=True)
+
+
+def size_groups(shapes: list[tuple[int, int]], waste: float = 1.5) -> list[list[int]]:
+    """Indices of images to pad to one size together, so that the padded pixels stay below `waste` times the
+    images' own (one huge image must not make every image of the batch its size)."""
+    order = sorted(range(len(shapes)), key=lambda k: shapes[k])
+    groups, area, hmax, wmax = [], 0, 0, 0
+    for k in order:
+        h, w = shapes[k]
+        hm, wm = max(hmax, h), max(wmax, w)
+        if groups and (len(groups[-1]) + 1) * hm * wm <= waste * (area + h * w):
+            groups[-1].append(k)
+            area, hmax, wmax = area + h * w, hm, wm
+        else:
+            groups.append([k])
+            area, hmax, wmax = h * w, h, w
+    return groups
+
+
+def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size, dtype=torch.float16):
+    """uint8 B x C x size from images of any sizes on one device: rows[k], cols[k] = (start, length, total,
+    offset) of image k's vertical and horizontal resize (`aa_weights`), mirrored where flips[k]. Per group of
+    similar sizes: one copy per image into a padded batch, then two batched matrix products (fp16 inputs, fp32
+    accumulation: within a level of torch's own kernel), instead of one resize kernel per image."""
+    device, channels = images[0].device, images[0].shape[0]
+    out = torch.empty(len(images), channels, *size, dtype=torch.uint8, device=device)
+    for group in size_groups([tuple(images[k].shape[1:]) for k in range(len(images))]):
+        hp, wp = (max(images[k].shape[d] for k in group) for d in (1, 2))
+        x = torch.zeros(len(group), hp, channels, wp, dtype=dtype, device=device)  # rows first: one product each
+        for n, k in enumerate(group):
+            image = images[k]
+            x[n, : image.shape[1], :, : image.shape[2]] = image.permute(1, 0, 2)
+        wy = aa_weights(rows[group], size[0], hp, device).to(dtype)
+        wx = aa_weights(cols[group], size[1], wp, device)
+        flip = torch.as_tensor(flips[group]).to(device, non_blocking=True).view(-1, 1, 1)
+        wx = torch.where(flip, wx.flip(1), wx).to(dtype)  # a mirrored output: the weights' rows reversed
+        t = torch.bmm(wy, x.view(len(group), hp, channels * wp)).view(len(group), size[0] * channels, wp)
+        y = torch.bmm(t, wx.transpose(1, 2)).view(len(group), size[0], channels, size[1]).permute(0, 2, 1, 3)
+        y = y.float().round_().clamp_(0, 255).to(torch.uint8)
+        if len(group) == len(images):
+            return y.contiguous()
+        out[torch.as_tensor(group, device=device)] = y
+    return out
 
 
 class DiskCrops:

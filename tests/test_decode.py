@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from src.augment import DiskCrops, rrc_boxes, rrc_params, sample_uniforms
+from src.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.config import ConfigError
 from src.datasets import load_data
 from src.decode import decode_cpu, gpu_decodable
@@ -203,6 +203,45 @@ def test_evaluation_matches_resize_and_center_crop():
         assert torch.equal(got, reference(image))  # the tensor path: same kernel
         pil = reference(Image.fromarray(image.permute(1, 2, 0).numpy()))
         assert (got.int() - torch.from_numpy(np.array(pil)).permute(2, 0, 1).int()).abs().max() <= 2
+
+
+def float_reference(image: torch.Tensor, box, resized, flip: bool, size) -> torch.Tensor:
+    """One image through torch's own antialiased kernel in float (the per-image path the batched one replaces):
+    crop `box`, resize to `resized`, keep the `size` window at `box`'s offset in it, mirror."""
+    (top, left, h, w), (ot, ol) = box, resized[1]
+    x = F.interpolate(image[None, :, top : top + h, left : left + w].float(), resized[0], mode="bilinear", antialias=True)
+    x = x[0, :, ot : ot + size[0], ol : ol + size[1]].round().clamp(0, 255).to(torch.uint8)
+    return x.flip(-1) if flip else x
+
+
+@pytest.mark.parametrize("dtype, exact", [(torch.float32, 0.99), (torch.float16, 0.9)])
+def test_batched_resample_equals_torchs_kernel_image_by_image(dtype, exact):
+    """The device path's two matrix products per group of sizes give each image what F.interpolate gives it
+    alone, within a level (rounding), for crops that shrink and crops that grow, with flips, evaluation's
+    resize-then-centre-crop, and one big image that gets a padded group of its own."""
+    images = random_images(11, seed=3) + [torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8)]
+    shapes = [tuple(image.shape[1:]) for image in images]
+    assert [11] in size_groups(shapes)  # the big one is not padded together with the small ones
+    size, rng = (24, 20), np.random.default_rng(0)
+    boxes = rrc_boxes(rng.random((12, 10, 4)), *zip(*shapes))
+    flips = rng.random(12) < 0.5
+    zero = np.zeros(12, dtype=np.int64)
+    rows = np.stack([boxes[:, 0], boxes[:, 2], zero + size[0], zero], axis=1)
+    cols = np.stack([boxes[:, 1], boxes[:, 3], zero + size[1], zero], axis=1)
+    got = resample(images, rows, cols, flips, size, dtype=dtype)
+    want = torch.stack([float_reference(im, b, (size, (0, 0)), f, size) for im, b, f in zip(images, boxes, flips)])
+    diff = (got.int() - want.int()).abs()
+    assert got.shape == (12, 3, *size) and diff.max() <= 1 and (diff == 0).float().mean() >= exact
+    short = 27  # evaluation: the shorter side to 27, the centre 24 x 20
+    geometry = [eval_geometry(h, w, short, size) for h, w in shapes]
+    rows = np.array([(0, h, r[0], o[0]) for (h, _), (r, o) in zip(shapes, geometry)])
+    cols = np.array([(0, w, r[1], o[1]) for (_, w), (r, o) in zip(shapes, geometry)])
+    got = resample(images, rows, cols, np.zeros(12, dtype=bool), size, dtype=dtype)
+    want = torch.stack(
+        [float_reference(im, (0, 0, h, w), g, False, size) for im, (h, w), g in zip(images, shapes, geometry)]
+    )
+    diff = (got.int() - want.int()).abs()
+    assert diff.max() <= 1 and (diff == 0).float().mean() >= exact
 
 
 # --- decoding: the device decoder where it can, the CPU for the rest ------------------------------------------
