@@ -212,21 +212,27 @@ def resize_center_crops(images: list[torch.Tensor], short: int, size) -> torch.T
 
 # --- the same resizes batched: antialiased bilinear resizing is separable, so a resize is two matrix products
 
-def aa_weights(spans: np.ndarray, out: int, padded: int, device) -> torch.Tensor:
+
+def aa_weights(spans: torch.Tensor, out: int, padded: int) -> torch.Tensor:
     """float32 B x out x padded: row i of sample b holds the weights of F.interpolate(..., "bilinear",
     antialias=True) for output pixel offset + i of an image axis of `length` pixels (from `start` on a padded
-    axis) resized to `total` pixels; spans[b] = (start, length, total, offset). As torch's kernel does: a
-    triangle widened by the downscale factor, cut at the image's edges, normalized to sum 1."""
-    start, length, total, offset = (
-        torch.as_tensor(spans[:, k], dtype=torch.float32).to(device, non_blocking=True).view(-1, 1, 1)
-        for k in range(4)
-    )
+    axis) resized to `total` pixels; spans[b] = (start, length, total, offset), on the device. As torch's kernel
+    does: a triangle widened by the downscale factor, cut at the image's edges, normalized to sum 1."""
+    start, length, total, offset = spans.float().view(-1, 4, 1, 1).unbind(1)
     scale = length / total
-    centre = scale * (offset + torch.arange(out, device=device).view(1, -1, 1) + 0.5)
-    j = torch.arange(padded, device=device).view(1, 1, -1) - start  # position in the image
+    centre = scale * (offset + torch.arange(out, device=spans.device).view(1, -1, 1) + 0.5)
+    j = torch.arange(padded, device=spans.device).view(1, 1, -1) - start  # position in the image
     w = (1 - ((j + 0.5 - centre) / scale.clamp(min=1)).abs()).clamp_(min=0)
     w = w * ((j >= 0) & (j < length))
     return w / w.sum(-1, keepdim=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: staged in pinned memory, which torch keeps
+    until the copy is done (an asynchronous copy from pageable memory may read it after it is freed)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def size_groups(shapes: list[tuple[int, int]], waste: float = 1.5) -> list[list[int]]:
@@ -259,16 +265,16 @@ def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size
         for n, k in enumerate(group):
             image = images[k]
             x[n, : image.shape[1], :, : image.shape[2]] = image.permute(1, 0, 2)
-        wy = aa_weights(rows[group], size[0], hp, device).to(dtype)
-        wx = aa_weights(cols[group], size[1], wp, device)
-        flip = torch.as_tensor(flips[group]).to(device, non_blocking=True).view(-1, 1, 1)
-        wx = torch.where(flip, wx.flip(1), wx).to(dtype)  # a mirrored output: the weights' rows reversed
+        spans = to_device(torch.from_numpy(np.concatenate([rows[group], cols[group], flips[group, None]], 1)), device)
+        wy = aa_weights(spans[:, :4], size[0], hp).to(dtype)
+        wx = aa_weights(spans[:, 4:8], size[1], wp)
+        wx = torch.where(spans[:, 8:].bool().view(-1, 1, 1), wx.flip(1), wx).to(dtype)  # mirrored: rows reversed
         t = torch.bmm(wy, x.view(len(group), hp, channels * wp)).view(len(group), size[0] * channels, wp)
         y = torch.bmm(t, wx.transpose(1, 2)).view(len(group), size[0], channels, size[1]).permute(0, 2, 1, 3)
         y = y.float().round_().clamp_(0, 255).to(torch.uint8)
         if len(group) == len(images):
             return y.contiguous()
-        out[torch.as_tensor(group, device=device)] = y
+        out[to_device(torch.tensor(group), device)] = y
     return out
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from src.augment import DiskCrops
+from src.augment import DiskCrops, to_device
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
@@ -201,12 +201,12 @@ class DiskLoader(ClassicLoader):
                 _check_some_left(images)
             x = self.crops(images, ids, epoch)
         else:
-            x = batch.x.to(self.device, non_blocking=True)
+            x = to_device(batch.x, self.device)
         for line in skipped:
             self.skipped += 1
             log.warning("skipped: %s (data.skip_bad_images=true; %d skipped so far)", line, self.skipped)
         x = self.transform(x, self.draws(epoch, ids) if split == "train" else None)
-        return x, y.to(self.device, non_blocking=True)
+        return x, to_device(y, self.device)
 
     def _decode(self, batch: _Encoded, split: str) -> list:
         """The batch's images on the device: JPEGs decoded there in one call, the rest (decoded by the worker)
@@ -216,7 +216,7 @@ class DiskLoader(ClassicLoader):
         parts = [batch.blob[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         jpegs = [k for k, shape in enumerate(shapes) if shape[0] == 0]
         images = [
-            None if shape[0] == 0 else parts[k].view(shape).to(self.device, non_blocking=True)
+            None if shape[0] == 0 else to_device(parts[k].view(shape), self.device)
             for k, shape in enumerate(shapes)
         ]
         files = self.files[split]

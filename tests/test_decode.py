@@ -209,7 +209,9 @@ def float_reference(image: torch.Tensor, box, resized, flip: bool, size) -> torc
     """One image through torch's own antialiased kernel in float (the per-image path the batched one replaces):
     crop `box`, resize to `resized`, keep the `size` window at `box`'s offset in it, mirror."""
     (top, left, h, w), (ot, ol) = box, resized[1]
-    x = F.interpolate(image[None, :, top : top + h, left : left + w].float(), resized[0], mode="bilinear", antialias=True)
+    x = F.interpolate(
+        image[None, :, top : top + h, left : left + w].float(), resized[0], mode="bilinear", antialias=True
+    )
     x = x[0, :, ot : ot + size[0], ol : ol + size[1]].round().clamp(0, 255).to(torch.uint8)
     return x.flip(-1) if flip else x
 
