@@ -1,38 +1,21 @@
-"""Batches of images read from disk (an ImageFolder too big for memory, packed shards): DataLoader workers
-read the files; the device decodes them (data.decode=gpu: nvjpeg, in a second thread, on a side stream) or the
-workers do (data.decode=cpu). Either way uint8 reaches the device, which normalizes."""
+"""Batches of images read from disk (an ImageFolder too big for memory, packed shards), made by DataLoader
+workers: each reads its batch's files and decodes and crops them, on the GPU (data.decode=gpu: nvjpeg and batched
+resizing, in the worker's own CUDA context) or on its CPU (data.decode=cpu). Either way uint8 reaches the
+training process, which normalizes on its device."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import threading
-from collections.abc import Iterator
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from src.augment import DiskCrops, to_device
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.loaders import ClassicLoader, MicroBatch, Step, _Batch, _EpochDraws, _one_line_errors, _Requests, _Transform
+from src.loaders import ClassicLoader, _Batch, _EpochDraws, _first, _Requests, _Transform
 
 log = logging.getLogger(__name__)
-
-
-class _Encoded(NamedTuple):
-    """A worker's batch for the device to decode: images back to back in `blob` (offsets: B + 1), each an
-    encoded JPEG (shape row 0, 0, 0) or, where the device decoder cannot take it, uint8 pixels of that shape."""
-
-    blob: torch.Tensor
-    offsets: torch.Tensor
-    shapes: torch.Tensor
-    y: torch.Tensor
-    ids: torch.Tensor
-    skipped: tuple[str, ...] = ()
 
 
 def _check_some_left(images: list) -> None:
@@ -58,60 +41,67 @@ def _read_or_skip(files: EncodedImages, ids: torch.Tensor, skip: bool, keep) -> 
 
 
 class _DiskBatches(torch.utils.data.Dataset):
-    """Worker side for images read from disk (src/decode.py), a micro-batch per fetch. decode_here
-    (data.decode=cpu): decoded and cropped here, shipped as uint8 crops. Else only read: shipped encoded for the
-    device to decode, but for images its decoder cannot take (PNG, CMYK, grayscale, progressive), decoded here."""
+    """Worker side, a micro-batch of any split per fetch: (split, epoch, ids) -> uint8 crops and labels.
+    device None (data.decode=cpu): every image decoded by this worker's CPU. Else decoded on `device`: the JPEGs
+    its decoder takes in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on the
+    CPU, then cropped there. On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each
+    image's colour conversion, which beside the training step's kernels in the same context took ~1 ms an image
+    (25x slower than alone, measured on an H100); from another process it keeps its speed and so does the step."""
 
-    def __init__(self, split: Split, crops: DiskCrops, decode_here: bool, skip: bool):
-        self.split, self.crops, self.decode_here, self.skip = split, crops, decode_here, skip
+    def __init__(self, splits: dict[str, Split], crops: DiskCrops, device: torch.device | None, skip: bool):
+        self.splits, self.crops, self.device, self.skip = splits, crops, device, skip
 
     def __len__(self):
-        return len(self.split)
+        return len(self.splits["train"])
 
     def __getitems__(self, request):
-        epoch, ids = request
-        files = self.split.files
-        if self.decode_here:
+        split, epoch, ids = request
+        files = self.splits[split].files
+        if self.device is None:
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
             )
-            ids = ids[kept]
-            _check_some_left(images)
-            return _Batch(self.crops(images, ids, epoch), self.split.labels[ids], ids=ids, skipped=tuple(skipped))
-
-        def encoded_or_pixels(data, i):
-            if gpu_decodable(data):
-                return data, (0, 0, 0)
-            image = decode_cpu(as_tensor(data), files.name(i))
-            return memoryview(image.contiguous().numpy()).cast("B"), tuple(image.shape)
-
-        kept, parts, skipped = _read_or_skip(files, ids, self.skip, encoded_or_pixels)
-        blob = bytearray()
-        for data, _ in parts:
-            blob += data
-        offsets = np.cumsum([0] + [len(data) for data, _ in parts])
+        else:
+            kept, images, skipped = self._decode_on_device(files, ids)
+        _check_some_left(images)
         ids = ids[kept]
-        return _Encoded(
-            as_tensor(blob),
-            torch.from_numpy(offsets),
-            torch.tensor([s for _, s in parts]).view(-1, 3),
-            self.split.labels[ids],
-            ids,
-            tuple(skipped),
-        )
+        x = self.crops(images, ids, epoch)
+        if x.is_cuda:  # the training process reads it as soon as it arrives
+            torch.cuda.current_stream(x.device).synchronize()
+        return _Batch(x, self.splits[split].labels[ids], ids=ids, skipped=tuple(skipped))
+
+    def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+        def encoded_or_decoded(data, i):
+            return as_tensor(data) if gpu_decodable(data) else decode_cpu(as_tensor(data), files.name(i))
+
+        kept, images, skipped = _read_or_skip(files, ids, self.skip, encoded_or_decoded)
+        jpegs = [k for k, image in enumerate(images) if image.dim() == 1]
+        decoded = decode_batch([images[k] for k in jpegs], self.device, lambda j: files.name(int(ids[kept[jpegs[j]]])))
+        for k, image in zip(jpegs, decoded):
+            images[k] = image
+        images = [image if isinstance(image, ConfigError) else to_device(image, self.device) for image in images]
+        bad = [k for k, image in enumerate(images) if isinstance(image, ConfigError)]
+        if bad and not self.skip:
+            raise images[bad[0]]
+        skipped += [str(images[k]) for k in bad]
+        keep = [k for k in range(len(images)) if k not in set(bad)]
+        return [kept[k] for k in keep], [images[k] for k in keep], skipped
 
 
 class DiskLoader(ClassicLoader):
-    """Images read from disk by DataLoader workers (an ImageFolder too big for memory, packed shards).
-    data.decode=cpu: the workers decode and crop (the "classic" path); gpu: they only read the files, and each
-    batch is decoded at once on the device (nvjpeg), cropped and resized there, on a side CUDA stream so it
-    overlaps the model's step. Either way uint8 reaches the device, which normalizes."""
+    """Images read from disk (an ImageFolder too big for memory, packed shards) by DataLoader workers, one set
+    of workers for every split. data.decode=gpu: the workers decode and crop on the GPU, each in a CUDA context
+    of its own (started with "spawn"; 2-4 keep a GPU fed); cpu: on their CPUs (the "classic" path). Either
+    way uint8 reaches the training process, which normalizes on its device."""
 
     def __init__(self, data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, on_device: bool):
         self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
         self.name = "gpudecode" if on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
-        self.crops = DiskCrops(
+        crops = DiskCrops(
             data.image_size,
             data.augment == "random_resized_crop",
             seed,
@@ -120,153 +110,45 @@ class DiskLoader(ClassicLoader):
         )
         self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
-        self.files = {k: getattr(data, k).files for k in ("train", "val", "test")}
-        self.datasets = {k: _DiskBatches(getattr(data, k), self.crops, not on_device, self.skip) for k in self.files}
-        self.pin = device.type == "cuda" and not on_device  # encoded bytes go to nvjpeg from pageable memory
-        self.requests = {k: _Requests() for k in self.datasets}
+        splits = {k: getattr(data, k) for k in ("train", "val", "test")}
+        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip)
+        self.cuda_workers = on_device and device.type == "cuda" and self.num_workers > 0
+        self.pin = device.type == "cuda" and not on_device  # the device path's batches arrive on the device
+        self.requests = _Requests()
+        self.loader: torch.utils.data.DataLoader | None = None
         self.loaders = {}
         self.skipped = 0
-        # high priority: the crops are hundreds of small kernels in a row, each of which can wait for the model's
-        # large kernels to leave room on the SMs (at normal priority, decoding did not overlap the step on an H100)
-        self.stream = torch.cuda.Stream(device, priority=-1) if on_device and device.type == "cuda" else None
-        self._done: torch.cuda.Event | None = None  # the side stream's last batch
 
-    def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
-        if not self.on_device:
-            yield from super().train_batches(steps, epoch)
-            return
-        requests = [(epoch, ids) for step in steps for ids in step.micro]
-        flat = self._decoded_ahead(self._loader("train", requests), "train", epoch)
-        try:
-            for step in steps:
-                for k in range(len(step.micro)):
-                    x, y = next(flat)
-                    yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
-        finally:
-            flat.close()  # stops the decoding thread now, also when the loop leaves early
+    def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
+        """One DataLoader for every split, its workers kept alive between passes (persistent_workers)."""
+        self.requests.items = [(split, *request) for request in requests]
+        if self.loader is None:
+            workers = self.num_workers
+            self.loader = self.loaders["all"] = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=self.requests,
+                collate_fn=_first,
+                num_workers=workers,
+                pin_memory=self.pin,
+                prefetch_factor=4 if workers else None,
+                persistent_workers=workers > 0,
+                # CUDA cannot start in a forked child; the CPU path's workers fork in milliseconds
+                multiprocessing_context=("spawn" if self.cuda_workers else "fork") if workers else None,
+            )
+        return self.loader
 
-    def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
-        if not self.on_device:
-            yield from super().eval_batches(split, ids, batch_size)
-            return
-        yield from self._decoded_ahead(self._loader(split, [(None, c) for c in ids.split(batch_size)]), split, None)
-
-    def _decoded_ahead(self, loader, split: str, epoch: int | None) -> Iterator[tuple]:
-        """The loader's batches decoded and cropped in a thread, a few ahead of the training thread: nvjpeg
-        parses each JPEG on the host and the crops are launched per image, so in the training thread they
-        would take turns with the step's launches instead of overlapping them."""
-        workers = iter(loader)  # here: the DataLoader forks its workers from this thread, never from the other
-        cuda = self.stream is not None
-        index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if cuda else None
-
-        def decoded():
-            if cuda:
-                torch.cuda.set_device(index)  # the current device is per thread
-            for batch in _one_line_errors(workers):
-                yield self._on_side_stream(batch, split, epoch)
-
-        main = torch.cuda.current_stream(self.device) if cuda else None
-        with contextlib.closing(in_thread(decoded, depth=2, name=f"ddplab-decode-{split}")) as ahead:
-            for x, y, ready in ahead:
-                if main is not None:
-                    main.wait_event(ready)  # here, not in the thread: steps queued before must not wait for it
-                    x.record_stream(main)  # allocated on the side stream, used on this one
-                    y.record_stream(main)
-                yield x, y
-
-    def _on_side_stream(self, batch, split: str, epoch: int | None) -> tuple:
-        """(x, y, the event after which they are ready on the device; None off CUDA)."""
-        if self.stream is None:
-            return *self._finish(batch, split, epoch), None
-        if self._done is not None:  # nvjpeg writes on its own stream, into memory this stream may still read
-            self._done.synchronize()
-        with torch.cuda.stream(self.stream):
-            x, y = self._finish(batch, split, epoch)
-            self._done = torch.cuda.Event()
-            self._done.record(self.stream)
-        return x, y, self._done
-
-    def _finish(self, batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A worker's batch -> the normalized float batch on the device (decoded here when it comes encoded)."""
-        skipped, ids, y = list(batch.skipped), batch.ids, batch.y
-        if isinstance(batch, _Encoded):
-            images = self._decode(batch, split)
-            bad = [k for k, image in enumerate(images) if isinstance(image, ConfigError)]
-            if bad and not self.skip:
-                raise images[bad[0]]
-            if bad:
-                skipped += [str(images[k]) for k in bad]
-                keep = [k for k in range(len(images)) if k not in set(bad)]
-                images, ids, y = [images[k] for k in keep], ids[keep], y[keep]
-                _check_some_left(images)
-            x = self.crops(images, ids, epoch)
-        else:
-            x = to_device(batch.x, self.device)
-        for line in skipped:
+    def _finish(self, batch: _Batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A worker's uint8 batch -> the normalized float batch on the device."""
+        for line in batch.skipped:
             self.skipped += 1
             log.warning("skipped: %s (data.skip_bad_images=true; %d skipped so far)", line, self.skipped)
-        x = self.transform(x, self.draws(epoch, ids) if split == "train" else None)
-        return x, to_device(y, self.device)
-
-    def _decode(self, batch: _Encoded, split: str) -> list:
-        """The batch's images on the device: JPEGs decoded there in one call, the rest (decoded by the worker)
-        copied there."""
-        bounds = batch.offsets.tolist()
-        shapes = batch.shapes.tolist()
-        parts = [batch.blob[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        jpegs = [k for k, shape in enumerate(shapes) if shape[0] == 0]
-        images = [
-            None if shape[0] == 0 else to_device(parts[k].view(shape), self.device)
-            for k, shape in enumerate(shapes)
-        ]
-        files = self.files[split]
-        decoded = decode_batch([parts[k] for k in jpegs], self.device, lambda j: files.name(int(batch.ids[jpegs[j]])))
-        for k, image in zip(jpegs, decoded):
-            images[k] = image
-        return images
+        x = batch.x if batch.x.device == self.device else to_device(batch.x, self.device)
+        x = self.transform(x, self.draws(epoch, batch.ids) if split == "train" else None)
+        return x, to_device(batch.y, self.device)
 
     def close(self) -> None:
         super().close()
+        self.loader = None
         if self.skipped:
             log.warning("%d unreadable images were skipped (data.skip_bad_images=true)", self.skipped)
             self.skipped = 0
-
-
-class _Failed(NamedTuple):
-    error: BaseException
-
-
-def in_thread(make_items, depth: int, name: str) -> Iterator:
-    """What the generator `make_items()` yields, produced up to `depth` items ahead in a daemon thread. Its error
-    is raised here; closing this generator (or leaving it early) stops the thread and waits for it."""
-    out: queue.Queue = queue.Queue(maxsize=depth)
-    stop, end = threading.Event(), object()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work():
-        try:
-            for item in make_items():
-                if not put(item):
-                    return
-            put(end)
-        except BaseException as exc:  # handed to the consuming thread
-            put(_Failed(exc))
-
-    thread = threading.Thread(target=work, daemon=True, name=name)
-    thread.start()
-    try:
-        while (item := out.get()) is not end:
-            if isinstance(item, _Failed):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        thread.join()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -301,28 +300,24 @@ def test_a_worker_names_the_bad_file_in_one_line(tmp_path):
     assert str(info.value).startswith(f"{bad}: cannot read this image") and "\n" not in str(info.value)
 
 
-def decoding_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("ddplab-decode")]
-
-
-def test_batches_are_decoded_ahead_in_a_thread_that_stops_with_the_loop(tmp_path):
-    """The device path decodes the next batches in a second thread (nvjpeg parses on the host: in the training
-    thread it would take turns with the step); a loop that leaves early stops it, and so does an error."""
+def test_device_decoding_workers_start_with_spawn_and_give_the_same_batches(tmp_path):
+    """On CUDA the decoding workers are spawned (CUDA cannot start in a forked child): what they need crosses by
+    pickling, and their batches equal those decoded in the training process. On the CPU the same path runs when
+    the loader is told its workers use CUDA; one worker, so that the order of arrival is the order asked."""
     write_tree(tmp_path / "tree", per_class=(9, 2))
-    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=gpu")  # on the CPU: torchvision's decoder
-    steps = plan_epoch(len(data.train), 2, 1, 0, 1, seed=7, epoch=0)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=gpu", "data.num_workers=1")
+    steps = plan_epoch(len(data.train), 4, 1, 0, 1, seed=7, epoch=1)
+    here = batches(data, cfg, steps, 1, "gpu")  # forked worker
     loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    loader.cuda_workers = True
     try:
-        batches_ = loader.train_batches(steps, 0)
-        first = next(batches_)
-        assert decoding_threads() == ["ddplab-decode-train"]
-        batches_.close()  # the loop leaves after one step (a stop request, a limit)
-        assert decoding_threads() == []
-        again = next(loader.train_batches(steps, 0))  # the next pass starts afresh, from the first batch
-        assert torch.equal(again.x, first.x)
+        spawned = [(b.x, b.y) for b in loader.train_batches(steps, 1)]
+        assert loader.loader.multiprocessing_context.get_start_method() == "spawn"
+        test = list(loader.eval_batches("test", torch.arange(len(data.test)), 4))  # the same workers serve it
     finally:
         loader.close()
-    assert decoding_threads() == []
+    assert len(spawned) == len(here) == len(steps) and len(test) == 1
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(spawned, here))
 
 
 # --- the same batches for any world size and after a resume ---------------------------------------------------
