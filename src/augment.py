@@ -230,7 +230,7 @@ def aa_weights(spans: torch.Tensor, out: int, padded: int) -> torch.Tensor:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device: staged in pinned memory, which torch keeps
     until the copy is done (an asynchronous copy from pageable memory may read it after it is freed)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 

@@ -71,8 +71,8 @@ class _DiskBatches(torch.utils.data.Dataset):
         return _Batch(x, self.splits[split].labels[ids], ids=ids, skipped=tuple(skipped))
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # the rank's GPU (a worker starts on the first)
 
         def encoded_or_decoded(data, i):
             return as_tensor(data) if gpu_decodable(data) else decode_cpu(as_tensor(data), files.name(i))
@@ -98,6 +98,8 @@ class DiskLoader(ClassicLoader):
     way uint8 reaches the training process, which normalizes on its device."""
 
     def __init__(self, data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, on_device: bool):
+        if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
         self.name = "gpudecode" if on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
