@@ -272,7 +272,7 @@ def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size
         t = torch.bmm(wy, x.view(len(group), hp, channels * wp)).view(len(group), size[0] * channels, wp)
         y = torch.bmm(t, wx.transpose(1, 2)).view(len(group), size[0], channels, size[1]).permute(0, 2, 1, 3)
         y = y.float().round_().clamp_(0, 255).to(torch.uint8)
-        if len(group) == len(images):
+        if group == list(range(len(images))):  # one group, already in the batch's order
             return y.contiguous()
         out[to_device(torch.tensor(group), device)] = y
     return out

@@ -233,6 +233,17 @@ def test_batched_resample_equals_torchs_kernel_image_by_image(dtype, exact):
     want = torch.stack([float_reference(im, b, (size, (0, 0)), f, size) for im, b, f in zip(images, boxes, flips)])
     diff = (got.int() - want.int()).abs()
     assert got.shape == (12, 3, *size) and diff.max() <= 1 and (diff == 0).float().mean() >= exact
+    pair = [
+        torch.randint(0, 256, (3, 40, 44), dtype=torch.uint8),
+        torch.randint(0, 256, (3, 38, 42), dtype=torch.uint8),
+    ]
+    assert size_groups([tuple(image.shape[1:]) for image in pair]) == [[1, 0]]  # one group, not in batch order
+    spans = np.array([[2, 30, size[0], 0], [0, 38, size[0], 0]]), np.array([[1, 40, size[1], 0], [3, 35, size[1], 0]])
+    two = resample(pair, *spans, np.array([False, True]), size, dtype=dtype)
+    for image, got_one, (top, h), (left, w), flip in zip(pair, two, spans[0][:, :2], spans[1][:, :2], (False, True)):
+        assert (
+            got_one.int() - float_reference(image, (top, left, h, w), (size, (0, 0)), flip, size).int()
+        ).abs().max() <= 1
     short = 27  # evaluation: the shorter side to 27, the centre 24 x 20
     geometry = [eval_geometry(h, w, short, size) for h, w in shapes]
     rows = np.array([(0, h, r[0], o[0]) for (h, _), (r, o) in zip(shapes, geometry)])
