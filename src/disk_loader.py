@@ -1,7 +1,7 @@
 """Batches of images read from disk (an ImageFolder too big for memory, packed shards), made by DataLoader
-workers: each reads its batch's files and decodes and crops them, on the GPU (data.decode=gpu: nvjpeg and batched
-resizing, in the worker's own CUDA context) or on its CPU (data.decode=cpu). Either way uint8 reaches the
-training process, which normalizes on its device."""
+workers that read their batch's files and decode them: on the GPU (data.decode=gpu: nvjpeg, each worker in a CUDA
+context of its own; the training process crops them) or on their CPUs (data.decode=cpu: the workers crop too).
+Either way uint8 reaches the training process, which normalizes on its device."""
 
 from __future__ import annotations
 
@@ -41,12 +41,14 @@ def _read_or_skip(files: EncodedImages, ids: torch.Tensor, skip: bool, keep) -> 
 
 
 class _DiskBatches(torch.utils.data.Dataset):
-    """Worker side, a micro-batch of any split per fetch: (split, epoch, ids) -> uint8 crops and labels.
-    device None (data.decode=cpu): every image decoded by this worker's CPU. Else decoded on `device`: the JPEGs
-    its decoder takes in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on the
-    CPU, then cropped there. On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each
-    image's colour conversion, which beside the training step's kernels in the same context took ~1 ms an image
-    (25x slower than alone, measured on an H100); from another process it keeps its speed and so does the step."""
+    """Worker side, a micro-batch of any split per fetch: (split, epoch, ids) -> uint8 images and labels.
+    device None (data.decode=cpu): decoded by this worker's CPU and cropped here. Else decoded on `device`: the
+    JPEGs its decoder takes in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on
+    the CPU; shipped uncropped, back to back in one buffer, for the training process to crop. On CUDA each worker
+    has a CUDA context of its own: nvjpeg waits on the host for each image's colour conversion, which behind the
+    step's kernels in one context took ~1 ms an image (H100: 670 images/s instead of 17,000); from another
+    process it keeps its speed and the step keeps its own. Cropping in the workers too slowed both (measured:
+    the contexts take turns on the GPU), so the crops run in the training process's context."""
 
     def __init__(self, splits: dict[str, Split], crops: DiskCrops, device: torch.device | None, skip: bool):
         self.splits, self.crops, self.device, self.skip = splits, crops, device, skip
@@ -56,19 +58,22 @@ class _DiskBatches(torch.utils.data.Dataset):
 
     def __getitems__(self, request):
         split, epoch, ids = request
-        files = self.splits[split].files
+        files, labels = self.splits[split].files, self.splits[split].labels
         if self.device is None:
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
             )
-        else:
-            kept, images, skipped = self._decode_on_device(files, ids)
+            _check_some_left(images)
+            ids = ids[kept]
+            return _Batch(self.crops(images, ids, epoch), labels[ids], ids=ids, skipped=tuple(skipped))
+        kept, images, skipped = self._decode_on_device(files, ids)
         _check_some_left(images)
+        packed = torch.cat([image.reshape(-1) for image in images])
+        if packed.is_cuda:  # the training process reads it as soon as it arrives
+            torch.cuda.current_stream(packed.device).synchronize()
+        shapes = torch.tensor([tuple(image.shape) for image in images])
         ids = ids[kept]
-        x = self.crops(images, ids, epoch)
-        if x.is_cuda:  # the training process reads it as soon as it arrives
-            torch.cuda.current_stream(x.device).synchronize()
-        return _Batch(x, self.splits[split].labels[ids], ids=ids, skipped=tuple(skipped))
+        return _Batch(packed, labels[ids], ids=ids, skipped=tuple(skipped), shapes=shapes)
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
         if self.device.type == "cuda" and self.device.index is not None:
@@ -93,9 +98,10 @@ class _DiskBatches(torch.utils.data.Dataset):
 
 class DiskLoader(ClassicLoader):
     """Images read from disk (an ImageFolder too big for memory, packed shards) by DataLoader workers, one set
-    of workers for every split. data.decode=gpu: the workers decode and crop on the GPU, each in a CUDA context
-    of its own (started with "spawn"; 2-4 keep a GPU fed); cpu: on their CPUs (the "classic" path). Either
-    way uint8 reaches the training process, which normalizes on its device."""
+    of workers for every split. data.decode=gpu: the workers decode on the GPU, each in a CUDA context of its own
+    (started with "spawn"; 2-4 keep a GPU fed), and this process crops the batch there (a few batched kernels);
+    cpu: the workers decode and crop on their CPUs (the "classic" path). Either way uint8 reaches the device,
+    which normalizes."""
 
     def __init__(self, data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, on_device: bool):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
@@ -103,7 +109,7 @@ class DiskLoader(ClassicLoader):
         self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
         self.name = "gpudecode" if on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
-        crops = DiskCrops(
+        self.crops = crops = DiskCrops(
             data.image_size,
             data.augment == "random_resized_crop",
             seed,
@@ -145,6 +151,10 @@ class DiskLoader(ClassicLoader):
             self.skipped += 1
             log.warning("skipped: %s (data.skip_bad_images=true; %d skipped so far)", line, self.skipped)
         x = batch.x if batch.x.device == self.device else to_device(batch.x, self.device)
+        if batch.shapes is not None:  # decoded, not yet cropped
+            parts = x.split(batch.shapes.prod(1).tolist())
+            images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
+            x = self.crops(images, batch.ids, epoch)
         x = self.transform(x, self.draws(epoch, batch.ids) if split == "train" else None)
         return x, to_device(batch.y, self.device)
 

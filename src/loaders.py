@@ -176,13 +176,15 @@ class DeviceLoader:
 
 class _Batch(NamedTuple):
     """What a worker ships: uint8 images (augmented as far as the worker goes) and what the device needs to
-    finish them: labels, augmentation draws (cutout), sample ids, one line per image skipped as unreadable."""
+    finish them: labels, augmentation draws (cutout), sample ids, one line per image skipped as unreadable.
+    With `shapes` (B x 3), x holds decoded images of those shapes back to back, not yet cropped."""
 
     x: torch.Tensor
     y: torch.Tensor
     params: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     skipped: tuple[str, ...] = ()
+    shapes: torch.Tensor | None = None
 
 
 class _MemoryBatches(torch.utils.data.Dataset):
