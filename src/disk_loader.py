@@ -5,6 +5,7 @@ Either way uint8 reaches the training process, which normalizes on its device.""
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -126,6 +127,7 @@ class DiskLoader(ClassicLoader):
         self.loader: torch.utils.data.DataLoader | None = None
         self.loaders = {}
         self.skipped = 0
+        self.held: collections.deque = collections.deque()  # workers' CUDA buffers still read by queued kernels
 
     def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
         """One DataLoader for every split, its workers kept alive between passes (persistent_workers)."""
@@ -154,12 +156,26 @@ class DiskLoader(ClassicLoader):
         if batch.shapes is not None:  # decoded, not yet cropped
             parts = x.split(batch.shapes.prod(1).tolist())
             images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
-            x = self.crops(images, batch.ids, epoch)
+            x, packed = self.crops(images, batch.ids, epoch), x
+            if packed.is_cuda:
+                self._hold(packed)
         x = self.transform(x, self.draws(epoch, batch.ids) if split == "train" else None)
         return x, to_device(batch.y, self.device)
 
+    def _hold(self, packed: torch.Tensor) -> None:
+        """Keep a worker's buffer until the kernels queued on it are done: once this process lets it go, the
+        worker may write the next batch into it (CUDA IPC memory), and the crops run asynchronously."""
+        done = torch.cuda.Event()
+        done.record()
+        self.held.append((packed, done))
+        while self.held and (len(self.held) > 8 or self.held[0][1].query()):
+            self.held.popleft()[1].synchronize()
+
     def close(self) -> None:
         super().close()
+        for _, done in self.held:
+            done.synchronize()
+        self.held.clear()
         self.loader = None
         if self.skipped:
             log.warning("%d unreadable images were skipped (data.skip_bad_images=true)", self.skipped)
