@@ -94,13 +94,25 @@ def main() -> None:
     base = [] if args.variant else ["experiment=cifar10_jpeg", "seed=2"]
     base += [f"trainer.max_epochs={args.epochs}", "trainer.progress_bar=false", *extra]
     tmp = Path(tempfile.mkdtemp(prefix="strategies-"))
-    results = [run(name, [*base, *overrides], tmp / f"{k}") for k, (name, overrides) in enumerate(variants)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for k, (name, overrides) in enumerate(variants):  # the table so far after each run: a stopped call keeps it
+        results.append(run(name, [*base, *overrides], tmp / f"{k}"))
+        header = f"# Strategies (so far: {len(results)} of {len(variants)} variants)"
+        if len(results) == len(variants):
+            import torch  # only now: this process needs no GPU of its own while the runs train
 
-    import torch  # after the runs: this process needs no GPU of its own while they train
+            gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+            header = f"# Strategies on {torch.cuda.device_count()} x {gpu}, torch {torch.__version__}"
+        write(out, header, results)
+    print(out.read_text(), end="")
+    print(f"written: {out} and {out.with_suffix('.json')}")
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+def write(out: Path, header: str, results: list[dict]) -> None:
     lines = [
-        f"# Strategies on {torch.cuda.device_count()} x {gpu}, torch {torch.__version__}",
+        header,
         "",
         f"`{shlex.join(['python', 'bench/strategies_table.py', *sys.argv[1:]])}`",
         "",
@@ -112,12 +124,8 @@ def main() -> None:
         "test top-1 uses the best-validation weights.",
     ]
     lines += [f"- {r['variant']}: {r['error']}" for r in results if r["error"]]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    print("\n".join(lines))
-    print(f"written: {out} and {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -155,3 +158,34 @@ def test_strategies_table_marks_what_runs_out_of_memory_and_reports_what_fits(tm
     assert "| **out of memory** |" in rows["hungry"]
     assert f"- hungry: {results['hungry']['error']}" in out.read_text()
     assert results["hungry"]["error"].startswith("CPU out of memory in a training step on rank 0")
+
+
+def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped(tmp_path):
+    """The table is written after each variant: a call stopped during a long variant (a device call's time
+    limit, Ctrl-C) keeps what finished, and says how much that is."""
+    out = tmp_path / "t.md"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/strategies_table.py"),
+        "--epochs=2",
+        f"--out={out}",
+        "--variant=short:strategy=single",
+        "--variant=long:strategy=single trainer.max_epochs=1000",
+        "debug=fast",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not out.with_suffix(".json").is_file() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        time.sleep(2)  # well into the long variant
+        assert proc.poll() is None, "the long variant should still be running"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (short,) = json.loads(out.with_suffix(".json").read_text())
+    assert short["variant"] == "short" and short["status"] == "completed"
+    text = out.read_text()
+    assert (
+        text.startswith("# Strategies (so far: 1 of 2 variants)") and "| short | 1 |" in text and "| long |" not in text
+    )
