@@ -172,10 +172,10 @@ class DiskLoader(ClassicLoader):
             self.held.popleft()[1].synchronize()
 
     def close(self) -> None:
-        super().close()
-        for _, done in self.held:
+        for _, done in self.held:  # released before the workers that own the memory stop
             done.synchronize()
         self.held.clear()
+        super().close()
         self.loader = None
         if self.skipped:
             log.warning("%d unreadable images were skipped (data.skip_bad_images=true)", self.skipped)
