@@ -14,7 +14,7 @@ from src.augment import DiskCrops, to_device
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.loaders import ClassicLoader, _Batch, _EpochDraws, _first, _Requests, _Transform
+from src.loaders import ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,6 @@ class DiskLoader(ClassicLoader):
             )
         self.pin = device.type == "cuda" and not on_device  # the device path's batches arrive on the device
         self.requests = _Requests()
-        self.loader: torch.utils.data.DataLoader | None = None
         self.loaders = {}
         self.skipped = 0
         self.held: collections.deque = collections.deque()  # workers' CUDA buffers still read by queued kernels
@@ -137,20 +136,10 @@ class DiskLoader(ClassicLoader):
     def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
         """One DataLoader for every split, its workers kept alive between passes (persistent_workers)."""
         self.requests.items = [(split, *request) for request in requests]
-        if self.loader is None:
-            workers = self.num_workers
-            self.loader = self.loaders["all"] = torch.utils.data.DataLoader(
-                self.dataset,
-                batch_sampler=self.requests,
-                collate_fn=_first,
-                num_workers=workers,
-                pin_memory=self.pin,
-                prefetch_factor=4 if workers else None,
-                persistent_workers=workers > 0,
-                # CUDA cannot start in a forked child; the CPU path's workers fork in milliseconds
-                multiprocessing_context=("spawn" if self.cuda_workers else "fork") if workers else None,
-            )
-        return self.loader
+        if "all" not in self.loaders:  # CUDA cannot start in a forked child
+            start = "spawn" if self.cuda_workers else "fork"
+            self.loaders["all"] = self._data_loader(self.dataset, self.requests, start)
+        return self.loaders["all"]
 
     def _finish(self, batch: _Batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A worker's uint8 batch -> the normalized float batch on the device."""
@@ -181,7 +170,6 @@ class DiskLoader(ClassicLoader):
             done.synchronize()
         self.held.clear()
         super().close()
-        self.loader = None
         if self.skipped:
             log.warning("%d unreadable images were skipped (data.skip_bad_images=true)", self.skipped)
             self.skipped = 0

@@ -266,19 +266,23 @@ class ClassicLoader:
         """One DataLoader per split, its workers kept alive between epochs (persistent_workers)."""
         self.requests[split].items = requests
         if split not in self.loaders:
-            workers = self.num_workers
-            self.loaders[split] = torch.utils.data.DataLoader(
-                self.datasets[split],
-                batch_sampler=self.requests[split],
-                collate_fn=_first,
-                num_workers=workers,
-                pin_memory=self.pin,
-                prefetch_factor=4 if workers else None,
-                persistent_workers=workers > 0,
-                # ranks are started with "spawn"; forked workers start in milliseconds and copy no data
-                multiprocessing_context="fork" if workers else None,
-            )
+            self.loaders[split] = self._data_loader(self.datasets[split], self.requests[split])
         return self.loaders[split]
+
+    def _data_loader(self, dataset, requests: _Requests, start: str = "fork") -> torch.utils.data.DataLoader:
+        """A DataLoader of self.num_workers persistent workers fetching whole micro-batches (`requests`).
+        Ranks are started with "spawn"; forked workers start in milliseconds and copy no data."""
+        workers = self.num_workers
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=requests,
+            collate_fn=_first,
+            num_workers=workers,
+            pin_memory=self.pin,
+            prefetch_factor=4 if workers else None,
+            persistent_workers=workers > 0,
+            multiprocessing_context=start if workers else None,
+        )
 
     def close(self) -> None:
         """Stop the persistent workers now, not at interpreter exit (seen: a run with CUDA graphs whose

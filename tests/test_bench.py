@@ -130,20 +130,25 @@ def test_override_reaches_every_loop_run(tmp_path):
     assert run["hparams"]["gradient_sync"] == "after_backward"  # the default (auto) would be reducer here
 
 
+def strategies_table(out, *variants: str) -> list[str]:
+    """The command of bench/strategies_table.py with these variants, two short epochs each, the table at `out`."""
+    variants = [f"--variant={v}" for v in variants]
+    return [
+        sys.executable,
+        str(ROOT / "bench/strategies_table.py"),
+        "--epochs=2",
+        f"--out={out}",
+        *variants,
+        "debug=fast",
+    ]
+
+
 def test_strategies_table_marks_what_runs_out_of_memory_and_reports_what_fits(tmp_path):
     """bench/strategies_table.py --variant ...: a row per variant from its own metrics.json; a variant that runs
     out of memory (a model that does on this CPU, tests/test_oom.py) is a row saying so, with train.py's line."""
     out = tmp_path / "why.md"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench/strategies_table.py"),
-            "--epochs=2",
-            f"--out={out}",
-            "--variant=fits:strategy=single",
-            "--variant=hungry:strategy=single model._target_=tests.test_oom.HungryCNN",
-            "debug=fast",
-        ],
+        strategies_table(out, "fits:strategy=single", "hungry:strategy=single model._target_=tests.test_oom.HungryCNN"),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -164,15 +169,7 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
     """The table is written after each variant: a call stopped during a long variant (a device call's time
     limit, Ctrl-C) keeps what finished, and says how much that is."""
     out = tmp_path / "t.md"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench/strategies_table.py"),
-        "--epochs=2",
-        f"--out={out}",
-        "--variant=short:strategy=single",
-        "--variant=long:strategy=single trainer.max_epochs=1000",
-        "debug=fast",
-    ]
+    cmd = strategies_table(out, "short:strategy=single", "long:strategy=single trainer.max_epochs=1000")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 240

@@ -323,7 +323,7 @@ def test_device_decoding_workers_start_with_spawn_and_give_the_same_batches(tmp_
     loader.cuda_workers = True
     try:
         spawned = [(b.x, b.y) for b in loader.train_batches(steps, 1)]
-        assert loader.loader.multiprocessing_context.get_start_method() == "spawn"
+        assert loader.loaders["all"].multiprocessing_context.get_start_method() == "spawn"
         test = list(loader.eval_batches("test", torch.arange(len(data.test)), 4))  # the same workers serve it
     finally:
         loader.close()
