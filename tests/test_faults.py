@@ -182,7 +182,7 @@ BAD_VALUES = [
     ("model._target_=src.models.Nope", "model._target_=src.models.Nope cannot be imported"),
     ("strategy=ddp strategy.find_unused_parameters=perhaps", "strategy.find_unused_parameters must be true or false"),
     ("strategy=ddp strategy.static_graph=1", "strategy.static_graph must be true or false, got 1"),
-    ("strategy=fsdp strategy.shard_modules=Conv2d", "strategy.shard_modules must be one of auto or a list of"),
+    ("strategy=fsdp strategy.shard_modules=Conv2d", "shard_modules must be one of auto, blocks, root or a list"),
     ("data.batch_size=0", "data.batch_size must be a positive integer, got 0"),
     ("data.batch_size=abc", "data.batch_size must be a positive integer, got 'abc'"),
     ("data.eval_batch_size=0", "data.eval_batch_size must be a positive integer, got 0"),

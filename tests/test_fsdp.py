@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 # 4 optimizer steps of a 64-sample global batch at a constant LR (BatchNorm kept: fsdp is compared with fsdp)
 STEPS = ("scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.batch_size=64")
-FSDP2 = ("strategy=fsdp", "trainer.devices=2")
+FSDP2 = ("strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=blocks")  # several units, as big models
 AC_MODEL = "model._target_=tests.test_fsdp.checkpointed_tiny_cnn"
 
 
@@ -94,6 +94,7 @@ def test_each_bad_option_is_one_line(cfg_factory, override, message):
     "options",
     [
         ("strategy.prefetch=false", "strategy.cpu_offload=true"),
+        ("strategy.shard_modules=root",),
         ("strategy.prefetch=2", "strategy.reshard_after_forward=false", "strategy.checkpoint_format=full"),
     ],
 )
@@ -166,7 +167,9 @@ def test_each_block_is_compiled_then_sharded_and_prefetches_the_next(one_rank_gr
     blocks = shard_targets(model, "auto")
     if checkpointing:
         apply_activation_checkpointing(model)
-    core = FSDP(prefetch=True).wrap(model, Context(torch.device("cpu"), False, torch.bfloat16, compile=True))
+    core = FSDP(prefetch=True, shard_modules="blocks").wrap(
+        model, Context(torch.device("cpu"), False, torch.bfloat16, compile=True)
+    )
     units = [core.get_submodule(f"layer{i}.{j}") for i in range(1, 5) for j in range(2)]
     for unit, block in zip(units, blocks):
         # fully_shard took the compiled module: its FSDP class derives from OptimizedModule
@@ -184,6 +187,32 @@ def test_each_block_is_compiled_then_sharded_and_prefetches_the_next(one_rank_gr
     assert prefetched(core, "forward") == units[:1]
     assert [prefetched(u, "forward") for u in units] == [[u] for u in units[1:]] + [[]]
     assert [prefetched(u, "backward") for u in units] == [[]] + [[u] for u in units[:-1]]
+
+
+def test_auto_shards_the_root_alone_when_the_blocks_are_small_and_still_compiles_each_block(one_rank_group):
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.distributed.fsdp import FSDPModule
+
+    from src.models import cifar_resnet18
+
+    core = FSDP().wrap(cifar_resnet18(10), Context(torch.device("cpu"), False, torch.bfloat16, compile=True))
+    blocks = [core.get_submodule(f"layer{i}.{j}") for i in range(1, 5) for j in range(2)]
+    assert all(isinstance(b, OptimizedModule) and not isinstance(b, FSDPModule) for b in blocks)
+    assert isinstance(core, FSDPModule)  # one unit: every parameter sharded, gathered once per step
+    assert all(type(p).__name__ == "DTensor" for p in core.parameters())
+
+
+@pytest.mark.parametrize("width, per_block", [(2800, False), (3000, True)])
+def test_auto_shards_each_block_from_32_mib_of_parameters_per_block(width, per_block):
+    def block():
+        return nn.Sequential(nn.Linear(width, width), nn.ReLU())
+
+    with torch.device("meta"):  # width^2 + width fp32 parameters per block: 29.9 MiB at 2800, 34.3 MiB at 3000
+        model = nn.Sequential(nn.Linear(8, width), nn.Sequential(block(), block()), nn.Linear(width, 10))
+    strategy = FSDP()
+    assert strategy.per_block(strategy.blocks(model)) is per_block
+    assert FSDP(shard_modules="blocks").per_block(strategy.blocks(model)) is True
+    assert FSDP(shard_modules="root").per_block(strategy.blocks(model)) is False
 
 
 @pytest.mark.parametrize("compile", [False, True])
