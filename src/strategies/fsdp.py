@@ -33,6 +33,7 @@ class FSDP(_Distributed):
     cpu_offload: bool = False  # sharded parameters, gradients and optimizer step on the CPU
     checkpoint_format: Literal["sharded", "full"] = "sharded"
 
+    _blocks_in_root: ClassVar[bool] = False  # set by wrap
     auto_block_mib: ClassVar[float] = 32.0  # auto shards each block on its own from this mean block size (fp32)
 
     name: ClassVar[str] = "fsdp"
@@ -60,7 +61,7 @@ class FSDP(_Distributed):
             self.blocks(build_model(cfg.model, num_classes=10, in_channels=3))
 
     def memory_fixes(self, devices):
-        fixes = ["set strategy.shard_modules=blocks"] if self.shard_modules in ("auto", "root") else []
+        fixes = ["set strategy.shard_modules=blocks"] if self._blocks_in_root else []
         fixes += [] if self.reshard_after_forward is True else ["set strategy.reshard_after_forward=true"]
         fixes += [] if self.cpu_offload else ["set strategy.cpu_offload=true"]
         return [*fixes, "shard over more GPUs (trainer.devices, more nodes)"]
@@ -98,6 +99,7 @@ class FSDP(_Distributed):
             torch._dynamo.config.recompile_limit = max(limit, len(blocks))
             blocks = [_replace(model, b, torch.compile(b, mode=ctx.compile_mode, dynamic=False)) for b in blocks]
         units = blocks if per_block else []
+        self._blocks_in_root = bool(blocks) and not per_block  # an out-of-memory line then suggests per-block units
         options = {
             "mp_policy": self.mp_policy(ctx),
             "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
