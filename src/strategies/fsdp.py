@@ -25,7 +25,7 @@ class FSDP(_Distributed):
     holds what no block does (stem, head). For models whose blocks are small, the root alone is the one unit
     (`per_block`). Checkpoints are sharded (DCP) by default."""
 
-    shard_modules: Literal["auto", "blocks", "root"] | list[str] | None = "auto"  # the units: see `units`
+    shard_modules: Literal["auto", "blocks", "root"] | list[str] | None = "auto"  # the units: see `per_block`
     reshard_after_forward: bool | Annotated[int, Positive] = True  # int n: regather from groups of n ranks
     prefetch: bool | Annotated[int, Positive] = True  # all-gather the next unit(s) early: true = 1, n = n ahead
     param_dtype: Literal["bf16", "fp32"] | None = None  # null: trainer.amp's dtype with amp, else fp32
