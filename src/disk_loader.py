@@ -121,8 +121,9 @@ class DiskLoader(ClassicLoader):
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         splits = {k: getattr(data, k) for k in ("train", "val", "test")}
         self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip)
-        self.cuda_workers = on_device and device.type == "cuda" and self.num_workers > 0
-        if on_device and device.type == "cuda" and not self.num_workers:
+        gpu_decoding = on_device and device.type == "cuda"
+        self.cuda_workers = gpu_decoding and self.num_workers > 0
+        if gpu_decoding and not self.num_workers:
             log.warning(
                 "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
                 "behind the step's kernels (~25x slower on an H100); set data.num_workers=3"
