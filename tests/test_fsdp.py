@@ -189,7 +189,7 @@ def test_each_block_is_compiled_then_sharded_and_prefetches_the_next(one_rank_gr
     assert [prefetched(u, "backward") for u in units] == [[]] + [[u] for u in units[:-1]]
 
 
-def test_auto_shards_the_root_alone_when_the_blocks_are_small_and_still_compiles_each_block(one_rank_group):
+def test_auto_shards_the_root_alone_when_the_blocks_are_small_and_compiles_its_forward_whole(one_rank_group):
     from torch._dynamo.eval_frame import OptimizedModule
     from torch.distributed.fsdp import FSDPModule
 
@@ -197,9 +197,38 @@ def test_auto_shards_the_root_alone_when_the_blocks_are_small_and_still_compiles
 
     core = FSDP().wrap(cifar_resnet18(10), Context(torch.device("cpu"), False, torch.bfloat16, compile=True))
     blocks = [core.get_submodule(f"layer{i}.{j}") for i in range(1, 5) for j in range(2)]
-    assert all(isinstance(b, OptimizedModule) and not isinstance(b, FSDPModule) for b in blocks)
+    assert not any(isinstance(b, (OptimizedModule, FSDPModule)) for b in blocks)  # inside the root's one graph
     assert isinstance(core, FSDPModule)  # one unit: every parameter sharded, gathered once per step
     assert all(type(p).__name__ == "DTensor" for p in core.parameters())
+    assert not any(k.startswith("_orig_mod") or "._orig_mod" in k for k in core.state_dict())
+
+
+def test_the_root_unit_trains_as_one_compiled_graph_like_eager(one_rank_group):
+    """Blocks of different shapes compiled one by one were a graph (and a guard check) each; as one unit the
+    forward is a single graph, compiled once, computing what eager FSDP computes."""
+    from torch._dynamo.utils import counters
+
+    def steps(compile):
+        torch.manual_seed(0)
+        model = FSDP(shard_modules="root").wrap(
+            TinyCNN(10), Context(torch.device("cpu"), False, torch.bfloat16, compile=compile)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = steps(compile=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert compiled == pytest.approx(steps(compile=False), rel=1e-5)
 
 
 @pytest.mark.parametrize("width, per_block", [(2800, False), (3000, True)])

@@ -23,7 +23,7 @@ class FSDP(_Distributed):
     """FSDP2 (torch.distributed.fsdp.fully_shard) laid out as torchtitan does: each block compiled on its own
     (trainer.compile), then sharded as one unit, with the next unit's all-gather prefetched explicitly; the root
     holds what no block does (stem, head). For models whose blocks are small, the root alone is the one unit
-    (`per_block`). Checkpoints are sharded (DCP) by default."""
+    (`per_block`) and the whole forward is compiled as one graph. Checkpoints are sharded (DCP) by default."""
 
     shard_modules: Literal["auto", "blocks", "root"] | list[str] | None = "auto"  # the units: see `per_block`
     reshard_after_forward: bool | Annotated[int, Positive] = True  # int n: regather from groups of n ranks
@@ -68,7 +68,7 @@ class FSDP(_Distributed):
 
     def blocks(self, model):
         """The model's blocks (`shard_targets`), or the modules of the classes named in shard_modules: each is
-        compiled on its own (trainer.compile) and recomputed as one (activation checkpointing)."""
+        recomputed as one (activation checkpointing) and, as a unit of its own, compiled on its own."""
         return shard_targets(model, self.shard_modules if isinstance(self.shard_modules, list) else "auto")
 
     def per_block(self, blocks: list[nn.Module]) -> bool:
@@ -94,7 +94,7 @@ class FSDP(_Distributed):
 
         blocks = self.blocks(model)
         per_block = self.per_block(blocks)
-        if ctx.compile:  # one graph per block (repeated blocks share it); FSDP's hooks stay outside the graphs
+        if ctx.compile and per_block:  # one graph per block (repeated blocks share it); FSDP's hooks outside them
             limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
             torch._dynamo.config.recompile_limit = max(limit, len(blocks))
             blocks = [_replace(model, b, torch.compile(b, mode=ctx.compile_mode, dynamic=False)) for b in blocks]
@@ -109,6 +109,8 @@ class FSDP(_Distributed):
         for unit in units:
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
+        if ctx.compile and not per_block:  # one unit: its forward is one graph, FSDP's hooks run around the call
+            model.forward = torch.compile(model.forward, mode=ctx.compile_mode, dynamic=False)
         ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
         for i, unit in enumerate([model, *units][:-1] if ahead else []):  # forward: the root, then the units
             unit.set_modules_to_forward_prefetch(units[i : i + ahead])
