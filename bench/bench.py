@@ -72,11 +72,15 @@ def model_of(args, mode) -> tuple[str, list[str], str, dict]:
     return name, ["model=torchvision", f"model.name={name}"], "torchvision", {"name": name}
 
 
+DECODE_TAGS = {"gpu": "gpudecode", "cpu": "classic", "cpudecode": "cpudecode"}  # --decode value: run-name tag
+
+
 def loaders_of(args) -> list[tuple[str, list[str]]]:
     """(tag, data overrides) of each loader the loops and loader runs compare. Default: the in-memory data on
     the GPU (`gpu`) and the DataLoader with each --workers count (`classic<N>`). With --decode: images read
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
-    --workers count) or by the workers (`classic<N>`); shard tags start with `shards-`."""
+    --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode, the training
+    process cropping on the GPU (`cpudecode<N>`); shard tags start with `shards-`."""
     workers = [int(w) for w in args.workers.split(",")]
     if not args.decode:
         return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + [
@@ -91,8 +95,9 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
         for decode in args.decode.split(","):
             counts = workers[:1] if decode == "gpu" else workers
             for w in counts:
-                tag = f"{prefix}gpudecode" if decode == "gpu" else f"{prefix}classic{w}"
-                out.append((tag, [*data, *common, f"data.decode={decode}", f"data.num_workers={w}"]))
+                tag = f"{prefix}gpudecode" if decode == "gpu" else f"{prefix}{DECODE_TAGS[decode]}{w}"
+                where = ["data.decode=cpu", "data.crop=device"] if decode == "cpudecode" else [f"data.decode={decode}"]
+                out.append((tag, [*data, *common, *where, f"data.num_workers={w}"]))
     return out
 
 
@@ -553,8 +558,9 @@ def main() -> int:
     )
     p.add_argument(
         "--decode",
-        help="compare images read from disk instead: gpu and/or cpu decoding, e.g. gpu,cpu "
-        "(with --data-root and/or --shards; adds loader-* runs: the loader alone)",
+        help="compare images read from disk instead: gpu, cpu (the workers crop too) and/or cpudecode (the "
+        "workers only decode, the GPU crops), e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: "
+        "the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")
@@ -572,8 +578,8 @@ def main() -> int:
     for key in ("batch", "epochs", "samples", "workers"):
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
-    if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - {"gpu", "cpu"}):
-        p.error("--decode takes gpu and/or cpu (e.g. gpu,cpu) and needs --data-root and/or --shards")
+    if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODE_TAGS)):
+        p.error("--decode takes gpu, cpu and/or cpudecode (e.g. gpu,cpu) and needs --data-root and/or --shards")
     folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
     out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
 

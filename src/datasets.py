@@ -82,6 +82,7 @@ OWN_KEYS = {
     "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
     # images read from disk (imagefolder beyond max_memory_gb, shards)
     "decode": (lambda v: v in ("auto", "gpu", "cpu"), "auto, gpu or cpu"),
+    "crop": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
     "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
     "skip_bad_images": (lambda v: isinstance(v, bool), "true or false"),
@@ -144,6 +145,11 @@ def check_data_config(cfg: DictConfig) -> None:
     for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
         if key in cfg and not ok(cfg[key]):
             raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
+    if cfg.get("decode") == "gpu" and cfg.get("crop") == "workers":
+        raise ConfigError(
+            "data.crop=workers needs data.decode=cpu: images decoded on the GPU are cropped by the training "
+            "process; use data.crop=device (or auto)"
+        )
 
 
 @dataclass

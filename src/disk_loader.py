@@ -1,7 +1,8 @@
 """Batches of images read from disk (an ImageFolder too big for memory, packed shards), made by DataLoader
 workers that read their batch's files and decode them: on the GPU (data.decode=gpu: nvjpeg, each worker in a CUDA
-context of its own; the training process crops them) or on their CPUs (data.decode=cpu: the workers crop too).
-Either way uint8 reaches the training process, which normalizes on its device."""
+context of its own; the training process crops them) or on their CPUs (data.decode=cpu: the workers crop too, or
+with data.crop=device the training process does). Either way uint8 reaches the training process, which normalizes
+on its device."""
 
 from __future__ import annotations
 
@@ -51,8 +52,11 @@ class _DiskBatches(torch.utils.data.Dataset):
     process it keeps its speed and the step keeps its own. Cropping in the workers too slowed both the workers
     and the step (H100: 3,071 and 3,154 images/s beside each other), so the training process crops."""
 
-    def __init__(self, splits: dict[str, Split], crops: DiskCrops, device: torch.device | None, skip: bool):
+    def __init__(
+        self, splits: dict[str, Split], crops: DiskCrops, device: torch.device | None, skip: bool, crop_here: bool
+    ):
         self.splits, self.crops, self.device, self.skip = splits, crops, device, skip
+        self.crop_here = crop_here  # false: whole images go to the training process, which crops them
 
     def __len__(self):
         return len(self.splits["train"])
@@ -64,16 +68,16 @@ class _DiskBatches(torch.utils.data.Dataset):
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
             )
-            _check_some_left(images)
-            ids = ids[kept]
-            return _Batch(self.crops(images, ids, epoch), labels[ids], ids=ids, skipped=tuple(skipped))
-        kept, images, skipped = self._decode_on_device(files, ids)
+        else:
+            kept, images, skipped = self._decode_on_device(files, ids)
         _check_some_left(images)
-        packed = torch.cat([image.reshape(-1) for image in images])
+        ids = ids[kept]
+        if self.crop_here:
+            return _Batch(self.crops(images, ids, epoch), labels[ids], ids=ids, skipped=tuple(skipped))
+        packed = torch.cat([image.reshape(-1) for image in images])  # uncropped, back to back
         if packed.is_cuda:  # the training process reads it as soon as it arrives
             torch.cuda.current_stream(packed.device).synchronize()
         shapes = torch.tensor([tuple(image.shape) for image in images])
-        ids = ids[kept]
         return _Batch(packed, labels[ids], ids=ids, skipped=tuple(skipped), shapes=shapes)
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
@@ -101,14 +105,24 @@ class DiskLoader(ClassicLoader):
     """Images read from disk (an ImageFolder too big for memory, packed shards) by DataLoader workers, one set
     of workers for every split. data.decode=gpu: the workers decode on the GPU, each in a CUDA context of its own
     (started with "spawn"; 3 decode ~11,000 images/s on an H100), and this process crops the batch there (a few
-    batched kernels); cpu: the workers decode and crop on their CPUs (the "classic" path). Either way uint8
+    batched kernels); cpu: the workers decode and crop on their CPUs (the "classic" path), or only decode, and
+    this process crops on its device (`crop_on_device`, data.crop=device: "cpudecode"). Either way uint8
     reaches the device, which normalizes."""
 
-    def __init__(self, data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, on_device: bool):
+    def __init__(
+        self,
+        data: DataBundle,
+        cfg,
+        device: torch.device,
+        channels_last: bool,
+        seed: int,
+        on_device: bool,
+        crop_on_device: bool,
+    ):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
-        self.name = "gpudecode" if on_device else "classic"
+        self.name = "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
         self.crops = crops = DiskCrops(
             data.image_size,
@@ -120,7 +134,8 @@ class DiskLoader(ClassicLoader):
         self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         splits = {k: getattr(data, k) for k in ("train", "val", "test")}
-        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip)
+        crop_here = not (on_device or crop_on_device)
+        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, crop_here)
         gpu_decoding = on_device and device.type == "cuda"
         self.cuda_workers = gpu_decoding and self.num_workers > 0
         if gpu_decoding and not self.num_workers:
@@ -152,7 +167,7 @@ class DiskLoader(ClassicLoader):
             parts = x.split(batch.shapes.prod(1).tolist())
             images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
             x, packed = self.crops(images, batch.ids, epoch), x
-            if packed.is_cuda:
+            if batch.x.is_cuda:  # a worker's memory (CUDA IPC), not a copy of this process's
                 self._hold(packed)
         x = self.transform(x, self.draws(epoch, batch.ids) if split == "train" else None)
         return x, to_device(batch.y, self.device)

@@ -342,7 +342,8 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
     if isinstance(data.train.files, EncodedImages):
         from src.disk_loader import DiskLoader  # it builds on ClassicLoader, defined here
 
-        decode = cfg.get("decode", "auto")
-        on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda")
-        return DiskLoader(data, cfg, device, channels_last, seed, on_device)
+        decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
+        decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda")
+        crop_on_device = decode_on_device or crop == "device"
+        return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device)
     return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0), pad_mode)

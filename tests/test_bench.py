@@ -186,3 +186,31 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
     assert (
         text.startswith("# Strategies (so far: 1 of 2 variants)") and "| short | 1 |" in text and "| long |" not in text
     )
+
+
+def test_each_decode_choice_runs_its_loader_alone(tmp_path):
+    """--decode cpu,cpudecode: the workers crop (classic) or only decode with the training process cropping
+    (cpudecode); each loader-* run reads, decodes and crops real JPEGs, and says which loader it measured."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 32), ("test", 4)):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / c / f"{i}.jpg")
+    out = tmp_path / "b.json"
+    proc = bench(
+        *("--smoke", "--decode", "cpu,cpudecode", "--workers", "1", "--data-root", str(tmp_path)),
+        *("--image-size", "16", "--batch", "4", "--loader-steps", "3", "--only", "loader-*", "--out", str(out)),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert {name: r["loader_name"] for name, r in runs.items()} == {
+        "loader-classic1": "classic",
+        "loader-cpudecode1": "cpudecode",
+    }
+    assert all(r["ok"] and r["images_per_sec"] > 0 for r in runs.values())
+    assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]

@@ -83,11 +83,12 @@ def disk_data(tmp_path: Path, root: Path, *overrides: str):
     return load_data(cfg.data), cfg
 
 
-def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU):
+def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU, crop="auto"):
     with_decode = cfg.data.copy()
-    with_decode.decode = decode
+    with_decode.decode, with_decode.crop = decode, crop
     loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
-    assert isinstance(loader, DiskLoader) and loader.name == ("gpudecode" if decode == "gpu" else "classic")
+    name = "gpudecode" if decode == "gpu" else "cpudecode" if crop == "device" else "classic"
+    assert isinstance(loader, DiskLoader) and loader.name == name
     try:
         if eval_split:
             return list(loader.eval_batches(eval_split, torch.arange(len(getattr(data, eval_split))), 4))
@@ -280,6 +281,28 @@ def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path):
     gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in ("gpu", "cpu"))
     assert len(gpu) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(gpu, cpu))
     assert gpu[0][0].dtype == torch.float32 and gpu[0][0].shape == (4, 3, 16, 16)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cpu_decoding_with_the_crops_on_the_device_gives_the_same_batches(tmp_path, workers):
+    """data.crop=device: the workers only decode (whole images cross to the training process, which crops them
+    batched on its device); the batches equal those of workers that crop, for training and evaluation."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png", "gray"), per_class=(10, 5))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", f"data.num_workers={workers}")
+    steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
+    device_crops = batches(data, cfg, steps, 2, "cpu", crop="device")
+    worker_crops = batches(data, cfg, steps, 2, "cpu", crop="workers")
+    assert len(device_crops) == len(worker_crops) == len(steps)
+    for a, b in zip(device_crops, worker_crops):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    evals = [batches(data, cfg, None, None, "cpu", eval_split="test", crop=c) for c in ("device", "workers")]
+    assert len(evals[0]) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(*evals))
+
+
+def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path):
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
+        disk_data(tmp_path, tmp_path / "tree", "data.decode=gpu", "data.crop=workers")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

@@ -83,9 +83,11 @@ def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync
         "data=synthetic",
         "data.augment=crop_flip",
         "model=tiny_cnn",
+        "model.batch_norm=false",  # BatchNorm would see 64 images on one device but 32 per rank: another model
         "data.batch_size=64",
         "trainer.compile=true",
         "trainer.amp=false",
+        "trainer.deterministic=true",  # fp32 without TF32
         f"trainer.compile_mode={mode}",
     )
     single = launch(cfg_factory(*tiny, sub="single"))
@@ -99,7 +101,7 @@ def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync
             sub=f"{scope}-{sync}",
         )
     )
-    assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
+    assert ddp["params_in_sync"] is True
     assert ddp["test_count"] == single["test_count"] == 512
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=2e-3)  # fp32: only summation order differs
 
