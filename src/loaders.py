@@ -343,7 +343,8 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
         from src.disk_loader import DiskLoader  # it builds on ClassicLoader, defined here
 
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
-        decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda")
+        # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
+        decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda" and crop != "workers")
         crop_on_device = decode_on_device or crop == "device"
         return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device)
     return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0), pad_mode)
