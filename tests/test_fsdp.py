@@ -244,11 +244,11 @@ def test_auto_shards_each_block_from_32_mib_of_parameters_per_block(width, per_b
     assert FSDP(shard_modules="root").per_block(strategy.blocks(model)) is False
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_activation_checkpointing_and_per_block_compile_train_like_eager_fsdp(
-    reference, cfg_factory, tmp_path, compile
-):
-    launch(cfg_factory(*STEPS, *FSDP2, AC_MODEL, f"trainer.compile={str(compile).lower()}", sub="ac"))
+@pytest.mark.parametrize("compile, units", [(False, "blocks"), (True, "blocks"), (True, "root")])
+def test_activation_checkpointing_and_compile_train_like_eager_fsdp(reference, cfg_factory, tmp_path, compile, units):
+    """Compiled per block (blocks) or as one graph around the checkpointed blocks (root)."""
+    options = (f"trainer.compile={str(compile).lower()}", f"strategy.shard_modules={units}")
+    launch(cfg_factory(*STEPS, *FSDP2, AC_MODEL, *options, sub="ac"))
     # BatchNorm's running stats included: the recomputation in the backward does not count a batch twice
     assert_same(last_weights(tmp_path / "ac/run"), last_weights(reference), rtol=1e-4, atol=1e-6)
     # its checkpoint (written through CheckpointWrapper and compiled blocks) evaluates in a plain model
