@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -44,6 +44,10 @@ tensorboard: install  ## TensorBoard over outputs/ and multirun/ (or LOGDIR=/SWE
 
 bench: install  ## speed benchmark (GPU); ARGS="--smoke" runs the tiny CPU mode
 	$(PY) bench/bench.py $(ARGS)
+
+MODEL ?= resnet50
+bench-strategies: install  ## single, ddp, fsdp on 2 and 4 GPUs, compiled, one table (GPU): MODEL=resnet50|vit_b16|resnet18
+	$(PY) bench/strategies_table.py --scaling $(MODEL) $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
 bench-data: install  ## ImageNet-like folder data/imagenet-like (50k+10k ~100 KiB JPEGs from ZIP=cifar10-jpeg.zip) + its shards

@@ -6,6 +6,9 @@
         --variant 'fsdp:strategy=fsdp trainer.devices=4' \\
         --variant 'fsdp+ac:strategy=fsdp trainer.devices=4 trainer.activation_checkpointing=true' [overrides...]
         your own variants (NAME:OVERRIDES), e.g. a model and batch where ddp runs out of memory ("why fsdp")
+    python bench/strategies_table.py --scaling resnet50|vit_b16|resnet18 [--gpus 4] [--dry-run]
+        single, ddp and fsdp on 2 and 4 GPUs, compiled, bf16, synthetic data on the device (the runs of
+        bench/results/fsdp-compiled_4xh100_2026-11-26.md); --dry-run prints the commands
 
 Each variant runs `python train.py <overrides> <the variant's overrides>` in its own process. A variant that runs
 out of memory is a row that says so (train.py's one line, e.g. the memory it had reached), not a failure.
@@ -29,6 +32,19 @@ DEFAULT_VARIANTS = {
     "ddp": "strategy=ddp trainer.devices=2",
     "fsdp": "strategy=fsdp trainer.devices=2",
 }
+# --scaling MODEL: (model and data overrides, images per GPU). single and ddp use CUDA graphs; fsdp cannot
+SCALING = {
+    "resnet50": ("model=torchvision model.name=resnet50 data.shape=[3,224,224] trainer.channels_last=true", 256),
+    "vit_b16": ("model=timm model.name=vit_base_patch16_224 data.shape=[3,224,224]", 256),
+    "resnet18": (
+        "model=resnet18 data.shape=[3,32,32] data.augment=crop_flip trainer.channels_last=true data.num_samples=50000",
+        512,
+    ),
+}
+SCALING_COMMON = (
+    "data=synthetic data.num_samples=20480 data.num_test=256 data.eval_batch_size=256 trainer.limit_eval_batches=1 "
+    "trainer.amp=true trainer.compile=true logger=none"
+)
 COLUMNS = "| variant | ranks | global batch | fits | images/s | peak GiB | TFLOP/s/GPU | MFU | test top-1 | wall s |"
 
 
@@ -64,6 +80,18 @@ def run(name: str, overrides: list[str], run_dir: Path) -> dict:
     }
 
 
+def scaling(model: str, gpus: int) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(common overrides, variants) of --scaling MODEL on up to `gpus` GPUs."""
+    overrides, per_gpu = SCALING[model]
+    graphs = "trainer.compile_mode=reduce-overhead"
+    variants = [("single", f"strategy=single trainer.devices=1 data.batch_size={per_gpu} {graphs}")]
+    for n in (2, 4, 8):
+        if n <= gpus:
+            variants.append((f"ddp{n}", f"strategy=ddp trainer.devices={n} data.batch_size={per_gpu * n} {graphs}"))
+            variants.append((f"fsdp{n}", f"strategy=fsdp trainer.devices={n} data.batch_size={per_gpu * n}"))
+    return shlex.split(f"{SCALING_COMMON} {overrides}"), [(name, shlex.split(o)) for name, o in variants]
+
+
 def row(r: dict) -> str:
     m, wall = r["metrics"], f"{r['wall_sec']:.0f}"
     h, f = m.get("hparams", {}), m.get("final", {})
@@ -87,12 +115,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=3, help="trainer.max_epochs (default 3; speed leaves out epoch 1)")
     p.add_argument("--variant", action="append", type=variant, help="NAME:OVERRIDES (repeatable)")
+    p.add_argument("--scaling", choices=sorted(SCALING), help="single, ddp and fsdp on 2..--gpus GPUs (no --variant)")
+    p.add_argument("--gpus", type=int, default=4, help="with --scaling: the most GPUs a variant uses (default 4)")
+    p.add_argument("--dry-run", action="store_true", help="print each variant's command; run nothing")
     # git-ignored by default: a table worth keeping is copied into bench/results/ with its report
     p.add_argument("--out", default=str(ROOT / "outputs/bench/strategies.md"))
     args, extra = p.parse_known_args()
-    variants = args.variant or [(n, shlex.split(o)) for n, o in DEFAULT_VARIANTS.items()]
-    base = [] if args.variant else ["experiment=cifar10_jpeg", "seed=2"]
+    if args.scaling and args.variant:
+        p.error("--scaling chooses the variants itself; drop --variant (or --scaling)")
+    if args.scaling:
+        base, variants = scaling(args.scaling, args.gpus)
+    else:
+        variants = args.variant or [(n, shlex.split(o)) for n, o in DEFAULT_VARIANTS.items()]
+        base = [] if args.variant else ["experiment=cifar10_jpeg", "seed=2"]
     base += [f"trainer.max_epochs={args.epochs}", "trainer.progress_bar=false", *extra]
+    if args.dry_run:
+        for name, overrides in variants:
+            print(f"{name}: {shlex.join(['python', 'train.py', *base, *overrides])}")
+        return
     tmp = Path(tempfile.mkdtemp(prefix="strategies-"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -214,3 +214,29 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     }
     assert all(r["ok"] and r["images_per_sec"] > 0 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]
+
+
+@pytest.mark.parametrize("model", ["resnet50", "vit_b16", "resnet18"])
+def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
+    """--scaling MODEL --dry-run: single, ddp and fsdp on 2 and 4 GPUs, with the global batch growing with the
+    GPUs; each command is a valid config."""
+    import shlex
+
+    from src.datasets import check_data_config
+    from tests.conftest import make_cfg
+
+    cmd = [sys.executable, str(ROOT / "bench/strategies_table.py"), "--scaling", model, "--dry-run"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    runs = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert list(runs) == ["single", "ddp2", "fsdp2", "ddp4", "fsdp4"]
+    per_gpu = 512 if model == "resnet18" else 256
+    for name, line in runs.items():
+        overrides = shlex.split(line)[2:]  # after "python train.py"
+        cfg = make_cfg(tmp_path, *overrides)
+        check_data_config(cfg.data)
+        devices = cfg.trainer.devices
+        target = {"single": "Single", "ddp": "DDP", "fsdp": "FSDP"}[name.rstrip("0123456789")]
+        assert cfg.strategy._target_ == f"src.strategies.{target}" and cfg.data.batch_size == per_gpu * devices
+        assert cfg.trainer.compile and cfg.trainer.amp and cfg.data.name == "synthetic"
+        assert cfg.trainer.compile_mode == ("default" if name.startswith("fsdp") else "reduce-overhead")
