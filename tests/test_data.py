@@ -24,9 +24,11 @@ DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synth
 
 # The data config of every option and experiment, recorded from the YAMLs before the shared keys moved to
 # conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
-# the keys of images read from disk (issue 16: GPU decoding, random resized crop ranges, skipping bad images).
+# the keys of images read from disk (issue 16: GPU decoding, where crops run, random resized crop ranges,
+# skipping bad images).
 ON_DISK = {
     "decode": "auto",
+    "crop": "auto",
     "rrc_scale": [0.08, 1.0],
     "rrc_ratio": [0.75, 1.3333333333333333],
     "skip_bad_images": False,
