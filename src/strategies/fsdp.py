@@ -1,4 +1,4 @@
-"""`FSDP`: FSDP2 (fully_shard) with per-block compile, prefetch, mixed precision, CPU offload and sharded
+"""`FSDP`: FSDP2 (fully_shard) with compile per unit, prefetch, mixed precision, CPU offload and sharded
 (DCP) checkpoints."""
 
 from __future__ import annotations
