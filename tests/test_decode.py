@@ -405,6 +405,24 @@ def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds):
 
 
 @pytest.mark.gpu
+def test_cpu_decoding_with_the_crops_on_cuda_matches_cropping_workers(tmp_path):
+    """data.crop=device on CUDA: libjpeg decodes in the workers, the GPU crops; only float rounding differs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(10, 5), smooth=True)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2")
+    steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
+    cuda = batches(data, cfg, steps, 2, "cpu", device=torch.device("cuda"), crop="device")
+    cpu = batches(data, cfg, steps, 2, "cpu", crop="workers")
+    std = torch.tensor(data.std).view(1, 3, 1, 1)
+    assert len(cuda) == len(cpu) == len(steps)
+    for (x, y), (ref, ref_y) in zip(cuda, cpu):
+        assert x.is_cuda and torch.equal(y.cpu(), ref_y)
+        levels = ((x.cpu() - ref) * std * 255).abs()  # the same crops: rounding (TF32 matmuls) moves a few pixels
+        assert levels.mean() < 0.5 and levels.max() < 3.01  # by a level or two; another crop: ~50 levels
+
+
+@pytest.mark.gpu
 def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
