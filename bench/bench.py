@@ -72,7 +72,12 @@ def model_of(args, mode) -> tuple[str, list[str], str, dict]:
     return name, ["model=torchvision", f"model.name={name}"], "torchvision", {"name": name}
 
 
-DECODE_TAGS = {"gpu": "gpudecode", "cpu": "classic", "cpudecode": "cpudecode"}  # --decode value: run-name tag
+# --decode value: (run-name tag, data overrides)
+DECODES = {
+    "gpu": ("gpudecode", ["data.decode=gpu"]),
+    "cpu": ("classic", ["data.decode=cpu"]),
+    "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
+}
 
 
 def loaders_of(args) -> list[tuple[str, list[str]]]:
@@ -94,10 +99,10 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     for prefix, data in sources:
         for decode in args.decode.split(","):
             counts = workers[:1] if decode == "gpu" else workers
-            for w in counts:
-                tag = f"{prefix}gpudecode" if decode == "gpu" else f"{prefix}{DECODE_TAGS[decode]}{w}"
-                where = ["data.decode=cpu", "data.crop=device"] if decode == "cpudecode" else [f"data.decode={decode}"]
-                out.append((tag, [*data, *common, *where, f"data.num_workers={w}"]))
+            tag, where = DECODES[decode]
+            for w in counts:  # the gpu path reads with one count: its tag names none
+                name = f"{prefix}{tag}" if decode == "gpu" else f"{prefix}{tag}{w}"
+                out.append((name, [*data, *common, *where, f"data.num_workers={w}"]))
     return out
 
 
@@ -578,7 +583,7 @@ def main() -> int:
     for key in ("batch", "epochs", "samples", "workers"):
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
-    if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODE_TAGS)):
+    if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODES)):
         p.error("--decode takes gpu, cpu and/or cpudecode (e.g. gpu,cpu) and needs --data-root and/or --shards")
     folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
     out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")

@@ -106,8 +106,8 @@ class DiskLoader(ClassicLoader):
     of workers for every split. data.decode=gpu: the workers decode on the GPU, each in a CUDA context of its own
     (started with "spawn"; 3 decode ~11,000 images/s on an H100), and this process crops the batch there (a few
     batched kernels); cpu: the workers decode and crop on their CPUs (the "classic" path), or only decode, and
-    this process crops on its device (`crop_on_device`, data.crop=device: "cpudecode"). Either way uint8
-    reaches the device, which normalizes."""
+    this process crops on its device (data.crop=device: "cpudecode"). `crop_on_device` is true whenever this
+    process crops (always with GPU decoding). Either way uint8 reaches the device, which normalizes."""
 
     def __init__(
         self,
@@ -134,8 +134,7 @@ class DiskLoader(ClassicLoader):
         self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         splits = {k: getattr(data, k) for k in ("train", "val", "test")}
-        crop_here = not (on_device or crop_on_device)
-        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, crop_here)
+        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, not crop_on_device)
         gpu_decoding = on_device and device.type == "cuda"
         self.cuda_workers = gpu_decoding and self.num_workers > 0
         if gpu_decoding and not self.num_workers:

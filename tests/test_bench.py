@@ -191,19 +191,12 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
 def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     """--decode cpu,cpudecode: the workers crop (classic) or only decode with the training process cropping
     (cpudecode); each loader-* run reads, decodes and crops real JPEGs, and says which loader it measured."""
-    import numpy as np
-    from PIL import Image
+    from tests.test_decode import write_tree
 
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 32), ("test", 4)):
-        for c in ("a", "b"):
-            (tmp_path / split / c).mkdir(parents=True)
-            for i in range(n):
-                pixels = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(tmp_path / split / c / f"{i}.jpg")
+    write_tree(tmp_path / "tree", per_class=(32, 4))
     out = tmp_path / "b.json"
     proc = bench(
-        *("--smoke", "--decode", "cpu,cpudecode", "--workers", "1", "--data-root", str(tmp_path)),
+        *("--smoke", "--decode", "cpu,cpudecode", "--workers", "1", "--data-root", str(tmp_path / "tree")),
         *("--image-size", "16", "--batch", "4", "--loader-steps", "3", "--only", "loader-*", "--out", str(out)),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -101,7 +101,7 @@ def test_compiled_ddp_trains_like_compiled_single(cfg_factory, scope, mode, sync
             sub=f"{scope}-{sync}",
         )
     )
-    assert ddp["params_in_sync"] is True
+    assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
     assert ddp["test_count"] == single["test_count"] == 512
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=2e-3)  # fp32: only summation order differs
 
