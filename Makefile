@@ -50,9 +50,11 @@ bench-strategies: install  ## single, ddp, fsdp on 2 and 4 GPUs, compiled, one t
 	$(PY) bench/strategies_table.py --scaling $(MODEL) $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
-bench-data: install  ## ImageNet-like folder data/imagenet-like (50k+10k ~100 KiB JPEGs from ZIP=cifar10-jpeg.zip) + its shards
+MAX_SIDE ?=
+SHARDS := data/imagenet-like-shards$(MAX_SIDE)
+bench-data: install  ## ImageNet-like folder data/imagenet-like (50k+10k ~100 KiB JPEGs from ZIP) + its shards (MAX_SIDE=256: re-encoded, in data/imagenet-like-shards256)
 	$(PY) bench/make_imagefolder.py --zip $(ZIP) --out data/imagenet-like --train 50000 --test 10000
-	[ -f data/imagenet-like-shards/meta.json ] || $(PY) -m src.shards pack data/imagenet-like data/imagenet-like-shards
+	[ -f $(SHARDS)/meta.json ] || $(PY) -m src.shards pack data/imagenet-like $(SHARDS) $(if $(MAX_SIDE),--max-side $(MAX_SIDE))
 
 slurm-install:  ## install Debian's slurm-wlm + munge + slurmdbd + mariadb for the SLURM tests (needs root + apt)
 	@bash .ci/install_slurm.sh || echo "make: SLURM packages not installed; the SLURM tests will be skipped"
