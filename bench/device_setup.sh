@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: install the carried wheels (hydra-core, omegaconf, antlr4), unzip the CIFAR-10 JPEGs
+# On the GPU machine: install the carried wheels (hydra-core, omegaconf, antlr4, submitit, pytest-timeout), unzip the CIFAR-10 JPEGs
 # and decode them once into the cache every run then reads.
 # Usage: source bench/device_setup.sh   (expects .whl/ and .carry/cifar10-jpeg.zip carried with the call)
 #        NO_DATA=1 source bench/device_setup.sh   (the wheels only)

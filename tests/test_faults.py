@@ -580,3 +580,32 @@ def test_a_sweep_under_torchrun_is_refused_in_every_point_and_leaves_nothing(cli
     said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(said) == 2 and all("under torchrun would run the whole sweep in every rank" in s for s in said)
     assert sorted(p.name for p in tmp.iterdir()) == ["file", "multirun"] and not any((tmp / "multirun").iterdir())
+
+
+def test_a_hung_test_fails_with_its_stack_instead_of_stopping_the_suite(tmp_path):
+    # the project's pytest settings with a 2 s limit: a test stuck past it fails and the next one still runs
+    (tmp_path / "test_hang.py").write_text(
+        "import time\n\ndef test_stuck():\n    time.sleep(60)\n\ndef test_after():\n    assert True\n"
+    )
+    start = time.time()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "-o",
+            "timeout=2",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert time.time() - start < 30
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "Timeout" in proc.stdout and "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
