@@ -602,6 +602,15 @@ def main() -> int:
         if args.list or not configs:
             print("\n".join(c["name"] for c in configs) or f"no configuration matches --only {args.only}")
             return 0 if configs else 2
+        if not args.smoke:  # every run would fail on its own, minutes later
+            import torch
+
+            needed, here = max(c["gpus"] for c in configs), torch.cuda.device_count()
+            if needed > here:
+                p.error(
+                    f"the selected runs need {needed} CUDA GPU(s), this machine has {here}: lower --gpus or --only, "
+                    "or run --smoke (the CPU mode)"
+                )
         loops = [c for c in configs if c["kind"] == "loop"]
         if args.data_root and loops:  # decode the JPEGs once, before any timed run
             prep = run_child({**loops[0], "name": "prepare-data", "prepare": True}, args.timeout)

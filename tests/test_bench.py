@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -45,6 +46,17 @@ def test_list_and_only_select_configurations():
     assert bench("--list", "--gpus", "1").stdout.split() == [*ceilings, "single1-gpu", "single1-classic8"]
     assert bench("--list", "--gpus", "8", "--only", "ddp*-gpu").stdout.split() == ["ddp2-gpu", "ddp4-gpu", "ddp8-gpu"]
     assert bench("--only", "nothing*").returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks a machine with fewer GPUs than the runs need")
+def test_runs_that_need_more_gpus_than_the_machine_has_stop_with_one_line():
+    proc = bench("--only", "ceiling-fp32,ddp2-gpu")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"bench.py: error: the selected runs need 2 CUDA GPU(s), this machine has {torch.cuda.device_count()}: "
+        "lower --gpus or --only, or run --smoke (the CPU mode)"
+    )
+    assert "ceiling-fp32" not in proc.stdout  # nothing ran
 
 
 @pytest.fixture(scope="module")
