@@ -91,6 +91,15 @@ def assert_compiled_loader_augments_like_eager(
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 
+def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
+    from src.checkpoint import load_full
+
+    wa, wb = load_full(a)["model"], load_full(b)["model"]  # a .pt file or a sharded (fsdp) directory
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=atol, msg=k)
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=False)["model"]
 

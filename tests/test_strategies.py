@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoint import find, load_full
+from src.checkpoint import find
 from src.launch import main as launch
 from src.trainer import train
-from tests.conftest import ROOT, read_metrics, run_cli
+from tests.conftest import ROOT, assert_same_weights, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +27,6 @@ SAME_STEPS = (
     "trainer.limit_train_batches=4",
     "data.batch_size=64",
 )
-
-
-def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
-    wa, wb = load_full(a)["model"], load_full(b)["model"]  # a .pt file or a sharded (fsdp) directory
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=atol, msg=k)
 
 
 @pytest.fixture(scope="module")
