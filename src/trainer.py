@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -53,12 +54,29 @@ def prepare_run(cfg: DictConfig) -> Trainer:
 
 def train(cfg: DictConfig) -> dict:
     """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
-    run = prepare_run(cfg)
+    with process_settings_restored():
+        run = prepare_run(cfg)
+        try:
+            return run.execute()
+        finally:
+            run.close()
+            destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_settings_restored():
+    """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads). The next run in
+    the same process (a local Hydra multirun, a notebook) must start from the process's own, not this run's:
+    `-m trainer.deterministic=true,false` ran its second job deterministic and without TF32."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, torch.get_num_threads()
     try:
-        return run.execute()
+        yield
     finally:
-        run.close()
-        destroy_process_group()
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, threads = saved
+        torch.set_num_threads(threads)
 
 
 class Trainer:

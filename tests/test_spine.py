@@ -130,6 +130,27 @@ def test_eval_only_reproduces_the_final_metrics(tmp_path, cfg_factory):
     assert not (tmp_path / "eval/run/metrics.json").exists() and ev["epochs"] == []
 
 
+def test_a_run_leaves_the_process_torch_settings_as_it_found_them(cfg_factory):
+    # a local multirun trains its jobs one after another in one process: a deterministic job with one thread
+    # must not make the next job deterministic, without TF32 and single-threaded
+    def settings():
+        tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        return torch.are_deterministic_algorithms_enabled(), *tf32, torch.get_num_threads()
+
+    original = settings()
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_num_threads(2)
+    before = settings()
+    try:
+        train(cfg_factory("trainer.deterministic=true", "trainer.threads=1"))
+        assert settings() == before == (False, True, True, 2)
+    finally:
+        torch.use_deterministic_algorithms(original[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = original[1:3]
+        torch.set_num_threads(original[3])
+
+
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
     common = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1", "data.batch_size=64")
     train(cfg_factory(*common, sub="a"))
