@@ -61,6 +61,8 @@ def train(cfg: DictConfig) -> dict:
         finally:
             run.close()
             destroy_process_group()
+            if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
+                torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
 
 
 @contextlib.contextmanager

@@ -151,6 +151,19 @@ def test_a_run_leaves_the_process_torch_settings_as_it_found_them(cfg_factory):
         torch.set_num_threads(original[3])
 
 
+def test_each_compiled_run_in_one_process_compiles_like_a_fresh_process(cfg_factory):
+    # A local multirun trains its jobs in one process. torch.compile's caches would carry over: once a function
+    # has been compiled recompile_limit times (8; 1 here), every later job ran it eagerly, saying nothing.
+    from torch._dynamo.utils import counters
+
+    compiled = ("trainer.compile=true", "trainer.max_epochs=1", "trainer.limit_train_batches=2")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for batch in (32, 16):  # another shape: a recompilation, were the first job's graphs kept
+            before = counters["stats"]["unique_graphs"]
+            train(cfg_factory(*compiled, f"data.batch_size={batch}", sub=str(batch)))
+            assert counters["stats"]["unique_graphs"] > before, f"the job with data.batch_size={batch} ran eagerly"
+
+
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
     common = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1", "data.batch_size=64")
     train(cfg_factory(*common, sub="a"))
