@@ -67,9 +67,8 @@ def train(cfg: DictConfig) -> dict:
 
 @contextlib.contextmanager
 def process_settings_restored():
-    """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads). The next run in
-    the same process (a local Hydra multirun, a notebook) must start from the process's own, not this run's:
-    `-m trainer.deterministic=true,false` ran its second job deterministic and without TF32."""
+    """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads); the next run in
+    the same process (a local Hydra multirun, a notebook) starts from the process's own, not this run's."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, torch.get_num_threads()
