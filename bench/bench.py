@@ -224,7 +224,7 @@ def run_child(config: dict, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        err += f"\ntimed out after {timeout:.0f} s"
+        err += f"\ntimed out after {timeout:.0f} s (raise --timeout)"
     record = {**config, "ok": False, "wall_sec": round(time.perf_counter() - start, 1)}
     lines = out.strip().splitlines()
     try:
