@@ -107,3 +107,10 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def cfg_factory(tmp_path):
     return lambda *overrides, sub="": make_cfg(tmp_path / sub if sub else tmp_path, *overrides)
+
+
+def pytest_collection_modifyitems(items):
+    """GPU tests get 240 s each: a hang fails inside one call to a lent GPU machine, with its stacks printed."""
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(240))

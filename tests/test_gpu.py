@@ -10,11 +10,7 @@ from src.launch import main as launch
 from src.trainer import train
 from tests.conftest import assert_compiled_loader_augments_like_eager, assert_same_weights
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.timeout(240),  # a hang fails within one GPU call (twice a test hung after a failure, its text lost)
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPU = (
     "trainer.device=cuda",
     "data=synthetic",

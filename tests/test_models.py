@@ -165,6 +165,7 @@ def test_cpu_memory_stats_report_a_growing_host_peak():
     assert after > before["peak_host_mem_gb"] + 0.1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_memory_stats_and_flops():
     device = torch.device("cuda")

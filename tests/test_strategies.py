@@ -54,6 +54,7 @@ def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path
     assert metrics["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA GPUs")
 def test_ddp_sync_bn_matches_single_with_batchnorm(single_reference, cfg_factory, tmp_path):
     gpu = ("trainer.device=cuda", "trainer.deterministic=true")
