@@ -294,7 +294,7 @@ def table(report: dict) -> str:
         f"ddplab bench | {gpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
         f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
-        f"{'wall s':>8}{'peak GB':>9}{'MFU':>6}",
+        f"{'wall s':>8}{'peak GB':>9}{'MFU':>6}{'pass start s':>14}",
     ]
     for name, r in runs.items():
         if not r["ok"]:
@@ -306,9 +306,10 @@ def table(report: dict) -> str:
         ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else ""
         mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") is not None else ""
+        start = f"{r['pass_start_sec']:.3f}" if r.get("pass_start_sec") is not None else ""
         lines.append(
             f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
-            f"{r['wall_sec']:>8.0f}{mem:>9}{mfu:>6}"
+            f"{r['wall_sec']:>8.0f}{mem:>9}{mfu:>6}{start:>14}"
         )
     refs = sorted(
         {
@@ -329,7 +330,7 @@ def table(report: dict) -> str:
     if any(r["kind"] == "loader" for r in runs.values()):
         lines.append(
             "loader-* = one GPU's loader alone (read, decode, augment; no model); its vs ceiling > 1: "
-            "it can feed that GPU"
+            "it can feed that GPU; pass start = the wait for the first batch of a pass (each epoch, each evaluation)"
         )
     return "\n".join(lines)
 
@@ -491,7 +492,8 @@ def child_loop(spec: dict) -> dict:
 
 def child_loader(spec: dict) -> dict:
     """The loader alone, as one rank of a run builds it: `warmup` batches, then `steps` timed ones (read,
-    decode, augment, normalize; on CUDA until the last batch is ready on the device)."""
+    decode, augment, normalize; on CUDA until the last batch is ready on the device); then the wait for the
+    first batch of the next pass (each epoch and each evaluation starts one)."""
     import torch
 
     from src.datasets import load_data
@@ -516,10 +518,15 @@ def child_loader(spec: dict) -> dict:
             timed += len(batch.y) if k >= spec["warmup"] else 0
         sync()
         seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()  # a new pass over the same workers: how long the device waits at its start
+        for _ in loader.train_batches(steps[:1], 1):
+            sync()
+        pass_start = time.perf_counter() - t0
     finally:
         loader.close()
     return {
         "images_per_sec": timed / seconds,
+        "pass_start_sec": pass_start,
         "seconds": seconds,
         "images": timed,
         "workers": cfg.data.num_workers,

@@ -302,17 +302,29 @@ class ClassicLoader:
         x = self.transform.finish(batch.x.to(self.device, non_blocking=True), params)
         return x, batch.y.to(self.device, non_blocking=True)
 
+    def _piece_size(self, n: int) -> int:
+        """Images per fetch for a batch of n: a whole batch (one worker makes it)."""
+        return n
+
+    def _join(self, pieces: list[_Batch]) -> _Batch:
+        return pieces[0]
+
+    def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:
+        """The finished (x, y) of each batch of sample ids, fetched in pieces of _piece_size and joined again."""
+        pieces = [ids.split(max(1, self._piece_size(len(ids)))) for ids in batches]
+        fetched = _one_line_errors(self._loader(split, [(epoch, piece) for batch in pieces for piece in batch]))
+        for batch in pieces:
+            yield self._finish(self._join([next(fetched) for _ in batch]), split, epoch)
+
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
-        requests = [(epoch, ids) for step in steps for ids in step.micro]
-        flat = _one_line_errors(self._loader("train", requests))
+        batches = self._batches("train", epoch, [ids for step in steps for ids in step.micro])
         for step in steps:
             for k in range(len(step.micro)):
-                x, y = self._finish(next(flat), "train", epoch)
+                x, y = next(batches)
                 yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
-        for batch in _one_line_errors(self._loader(split, [(None, chunk) for chunk in ids.split(batch_size)])):
-            yield self._finish(batch, split, None)
+        yield from self._batches(split, None, list(ids.split(batch_size)))
 
 
 def _one_line_errors(loader) -> Iterator:

@@ -100,7 +100,7 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
     check_ratios(report)
     tail = proc.stdout.splitlines()[-10:]  # the table is at the end of stdout
     assert any(line.startswith("ddp2-gpu ") for line in tail) and "written:" in tail[-1]
-    assert any(line.startswith("run ") and line.endswith("peak GB   MFU") for line in tail)
+    assert any(line.startswith("run ") and line.endswith("peak GB   MFU  pass start s") for line in tail)
 
 
 @pytest.mark.slow
@@ -217,8 +217,9 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
         "loader-classic1": "classic",
         "loader-cpudecode1": "cpudecode",
     }
-    assert all(r["ok"] and r["images_per_sec"] > 0 for r in runs.values())
+    assert all(r["ok"] and r["images_per_sec"] > 0 and 0 < r["pass_start_sec"] < 60 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]
+    assert "pass start s" in proc.stdout
 
 
 @pytest.mark.parametrize("model", ["resnet50", "vit_b16", "resnet18"])

@@ -299,6 +299,51 @@ def test_cpu_decoding_with_the_crops_on_the_device_gives_the_same_batches(tmp_pa
     assert len(evals[0]) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(*evals))
 
 
+@pytest.mark.parametrize("crop", ["workers", "device"])
+def test_cpu_decoding_spreads_a_batch_over_the_workers_and_joins_it_again(tmp_path, crop):
+    """With CPU decoding a batch is fetched in pieces of MIN_PIECE (32) images or more, one per worker, so the
+    first batch of a pass waits for one piece, not for one worker to decode a whole batch. Joined again, the
+    batches equal those made in one piece, for training and evaluation."""
+    write_tree(tmp_path / "tree", per_class=(40, 20))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=3", f"data.crop={crop}")
+    steps = plan_epoch(len(data.train), 80, 1, 0, 1, seed=7, epoch=1)  # one batch of 80: pieces of 32, 32, 16
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        pieces = [(b.x, b.y) for b in loader.train_batches(steps, 1)]
+        assert [len(request[2]) for request in loader.requests.items] == [32, 32, 16]
+        test_pieces = list(loader.eval_batches("test", torch.arange(len(data.test)), 40))
+        assert [len(request[2]) for request in loader.requests.items] == [32, 8]
+    finally:
+        loader.close()
+    whole = batches(data, cfg, steps, 1, "cpu", crop=crop)
+    one_worker = cfg.data.copy()
+    one_worker.num_workers = 0
+    loader = build_loader(data, one_worker, CPU, False, seed=7)
+    try:
+        test_whole = list(loader.eval_batches("test", torch.arange(len(data.test)), 40))
+    finally:
+        loader.close()
+    for a, b in [*zip(pieces, whole, strict=True), *zip(test_pieces, test_whole, strict=True)]:
+        assert a[0].shape[0] in (80, 40) and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_piece_of_unreadable_images_is_skipped_and_a_batch_of_them_is_one_line(tmp_path, caplog):
+    write_tree(tmp_path / "tree", per_class=(4, 20))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=3", "data.skip_bad_images=true")
+    for i in range(32, 40):  # the second piece of the test batch
+        Path(data.test.files.name(i)).write_bytes(b"nothing")
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        with caplog.at_level(logging.WARNING, logger="src.disk_loader"):
+            ((x, y),) = loader.eval_batches("test", torch.arange(len(data.test)), 40)
+        assert len(x) == len(y) == 32 and torch.equal(y, data.test.labels[:32])
+        assert loader.skipped == 8
+        with pytest.raises(ConfigError, match=r"^every image of a batch was unreadable .*; check the data$"):
+            list(loader.eval_batches("test", torch.arange(32, 40), 40))
+    finally:
+        loader.close()
+
+
 def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
