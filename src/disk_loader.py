@@ -20,9 +20,9 @@ from src.loaders import ClassicLoader, _Batch, _EpochDraws, _Requests, _Transfor
 log = logging.getLogger(__name__)
 
 
-# Images per worker fetch at least: a batch is spread over the workers, so that the first batch of a pass is ready
+# Images per worker fetch at least. A batch is spread over the workers, so that the first batch of a pass is ready
 # after one piece, not after one worker has decoded a whole batch (256 ResNet-50 images: ~0.5 s of an idle GPU per
-# pass); below ~32 images a fetch costs the training process more than it saves.
+# pass on an H100 host). The floor keeps a batch's fetches few: each is a queue hop and a pinned copy here.
 MIN_PIECE = 32
 
 
@@ -44,7 +44,7 @@ def _read_or_skip(files: EncodedImages, ids: torch.Tensor, skip: bool, keep) -> 
 
 
 class _DiskBatches(torch.utils.data.Dataset):
-    """Worker side, a micro-batch of any split per fetch: (split, epoch, ids) -> uint8 images and labels.
+    """Worker side, a piece of a batch of any split per fetch: (split, epoch, ids) -> uint8 images and labels.
     device None (data.decode=cpu): decoded by this worker's CPU and cropped here. Else decoded on `device`: the
     JPEGs its decoder takes in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on
     the CPU; shipped uncropped, back to back in one buffer, for the training process to crop. On CUDA each worker
