@@ -65,6 +65,23 @@ def _set_by_user(key: str, explicit: set[str] | None) -> bool:
     return any(key == k or key.startswith(k + ".") for k in explicit)  # `model=x` sets model.*
 
 
+def _groups_chosen_otherwise(saved: dict, now: dict, explicit: set[str] | None) -> list[str]:
+    """Config groups (data, model, optim, ...) whose option this command line leaves to the defaults while the
+    checkpoint's run chose another (`data=shards` then, `data: digits` now): key by key they would mix two
+    options, so the checkpoint's group is taken whole."""
+    if explicit is None:
+        return []
+    return [
+        group
+        for group, was in saved.items()
+        if isinstance(was, dict)
+        and isinstance(now.get(group), dict)
+        and not _may_change(group)
+        and not any(k == group for k in explicit)
+        and any(was.get(k) != now[group].get(k) for k in ("_target_", "name"))
+    ]
+
+
 def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     """The config this invocation must run with. Training into a run dir that holds a checkpoint continues
     it with the checkpoint's config: values the user did not set come from the checkpoint, values the user
@@ -91,6 +108,7 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     saved = load(path).get("config")
     if not saved:
         return cfg
+    groups = _groups_chosen_otherwise(saved, OmegaConf.to_container(cfg, resolve=True), explicit)
     now = _flat(OmegaConf.to_container(cfg, resolve=True))
     before = _flat(saved)
     refused, kept = [], {}
@@ -112,8 +130,12 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     for key in ("trainer.devices", "trainer.device"):
         if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
             kept[key] = before[key]
-    if kept or layout:
+    if kept or layout or groups:
         merged = {**OmegaConf.to_container(cfg, resolve=True), **layout}
+        for group in groups:  # the checkpoint's group, with what this command line may change in it
+            merged[group] = saved[group]
+            mine = [k for k in now if k.startswith(group + ".") and _set_by_user(k, explicit)]
+            kept.update({k: now[k] for k in mine if _may_change(k) or k in before})
         for key, value in kept.items():
             *parents, leaf = key.split(".")
             node = merged

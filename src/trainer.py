@@ -40,6 +40,13 @@ class OutOfMemory(RuntimeError):
     """A training or evaluation step ran out of device memory; the message says what to change."""
 
 
+class WorkerDied(RuntimeError):
+    """A DataLoader worker process died (killed by a signal, often the host's out-of-memory killer)."""
+
+
+STOPPED = {Diverged: "diverged", OutOfMemory: "out_of_memory", WorkerDied: "data_worker_died"}  # metrics' status
+
+
 def prepare_run(cfg: DictConfig) -> Trainer:
     """This rank's run: its layout validated, the process group joined (nothing built yet)."""
     env = rank_env()
@@ -338,11 +345,25 @@ class Trainer:
         finally:
             stop.restore()
 
-    def failed(self, exc: Diverged | OutOfMemory) -> ConfigError:
-        """A training run that cannot go on: metrics.json says why, the user gets the message as one line."""
-        if self.primary and self.cfg.train:  # an evaluation (train=false) leaves the training run's file alone
-            self.reporter.failed("diverged" if isinstance(exc, Diverged) else "out_of_memory", self.progress.history)
-        return ConfigError(str(exc))
+    @contextlib.contextmanager
+    def stops_in_one_line(self):
+        """A run that cannot go on (diverged, out of memory, a data worker died): metrics.json says why, the user
+        gets the message as one line."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if str(exc).startswith("DataLoader worker (pid"):  # torch's words, raised wherever this process was
+                resume = f", then resume with: python train.py hydra.run.dir={self.run_dir}" if self.cfg.train else ""
+                exc = WorkerDied(
+                    f"{str(exc).splitlines()[0].rstrip('. ')}: a data loading worker died (often the host's "
+                    f"out-of-memory killer); lower data.num_workers (now {self.cfg.data.get('num_workers', 0)}) "
+                    f"or data.batch_size{resume}"
+                )
+            if type(exc) not in STOPPED:
+                raise
+            if self.primary and self.cfg.train:  # an evaluation (train=false) leaves the training run's file alone
+                self.reporter.failed(STOPPED[type(exc)], self.progress.history)
+            raise ConfigError(str(exc)) from None
 
     def execute(self) -> dict:
         self.build()
@@ -364,10 +385,8 @@ class Trainer:
             path = self.checkpoints.resume_path()
             if path is not None:
                 self.progress = self.checkpoints.restore(path)
-            try:
+            with self.stops_in_one_line():
                 self.fit()
-            except (Diverged, OutOfMemory) as exc:
-                raise self.failed(exc) from None
             # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
             self.strategy.sync_buffers()
             in_sync = self.strategy.replicas_agree(self.device)
@@ -383,11 +402,9 @@ class Trainer:
             status = "evaluated"
             self.strategy.sync_buffers()
             in_sync = self.strategy.replicas_agree(self.device)
-        try:
+        with self.stops_in_one_line():
             val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
             test = self.evaluate("test")
-        except OutOfMemory as exc:
-            raise self.failed(exc) from None
         final = {
             "test_loss": test["loss"],
             "test_top1": test["top1"],

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +31,22 @@ ARGS = [
 DDP = ["strategy=ddp", "trainer.devices=2"]
 
 
-def _interrupt(command: list[str], sig: int, group: bool = False) -> tuple[int, str]:
-    """Start `command`, send `sig` once an epoch has ended (to its whole process group: a terminal's Ctrl-C)."""
+def _data_workers(pid: int) -> list[int]:
+    """The DataLoader worker processes of process `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and (stat.parent / "comm").read_text().strip() == "pt_data_worker":
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
+
+
+def _interrupt(command: list[str], sig: int, group: bool = False, worker: bool = False) -> tuple[int, str]:
+    """Start `command`, send `sig` once an epoch has ended (to its whole process group: a terminal's Ctrl-C;
+    `worker`: to one of its DataLoader workers)."""
     proc = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -47,7 +62,10 @@ def _interrupt(command: list[str], sig: int, group: bool = False) -> tuple[int, 
     for line in proc.stdout:
         lines.append(line)
         if re.search(r"\] - epoch \d+/", line):  # rank 0's line at the end of an epoch: training goes on
-            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+            if worker:
+                os.kill(_data_workers(proc.pid)[0], sig)
+            else:
+                os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
             break
     lines += proc.stdout.readlines()
     watchdog.cancel()
@@ -102,6 +120,56 @@ def test_ctrl_c_sigterm_and_sigusr2_to_the_ddp_launcher_checkpoint_and_resume_to
     assert [r["train_loss"] for r in b["epochs"]] == pytest.approx([r["train_loss"] for r in a["epochs"]], rel=1e-6)
 
 
+def _disk_run(tmp_path) -> list[str]:
+    """A run whose images are read from disk by 2 DataLoader workers (13 steps per epoch), deterministic."""
+    from tests.test_decode import write_tree
+
+    write_tree(tmp_path / "tree", per_class=(60, 5))
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *("debug=fast", "trainer.limit_train_batches=null", "data=imagefolder", f"data.root={tmp_path}/tree"),
+        *("data.image_size=16", "data.augment=random_resized_crop", "data.decode=cpu", "data.num_workers=2"),
+        *("data.batch_size=8", "model=tiny_cnn", "trainer.max_epochs=3", "trainer.deterministic=true"),
+    ]
+
+
+def test_sigterm_to_the_whole_group_with_data_workers_checkpoints_and_resumes_to_the_same_result(tmp_path):
+    """SIGTERM to every process of the run (SLURM at a time limit or scancel, `kill -TERM -<pgid>`, `timeout`):
+    the DataLoader workers leave it to the training process, which checkpoints; they used to die first, and the
+    run ended on "worker exited unexpectedly" with a traceback and no checkpoint. The printed command (which
+    names no data or model option) resumes it to the uninterrupted result."""
+    command = _disk_run(tmp_path)
+    straight = subprocess.run([*command, f"hydra.run.dir={tmp_path}/a"], cwd=ROOT, capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "b"
+    code, out = _interrupt([*command, f"hydra.run.dir={run_dir}"], signal.SIGTERM, group=True)
+    printed = _check_stopped(code, out, signal.SIGTERM, run_dir)
+    resumed = subprocess.run([sys.executable, str(ROOT / "train.py"), *printed[2:]], cwd=ROOT, capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "a"), read_metrics(run_dir)
+    assert b["status"] == "completed" and b["config"]["data"] == a["config"]["data"] | {"root": str(tmp_path / "tree")}
+    assert b["final"]["test_loss"] == pytest.approx(a["final"]["test_loss"], rel=1e-6)
+    assert [r["train_loss"] for r in b["epochs"]] == pytest.approx([r["train_loss"] for r in a["epochs"]], rel=1e-6)
+
+
+def test_a_killed_data_worker_is_one_line_and_the_run_resumes(tmp_path):
+    """A DataLoader worker killed (the host's out-of-memory killer sends SIGKILL): one line that says what to
+    lower and how to resume, status data_worker_died in metrics.json; was a traceback."""
+    run_dir = tmp_path / "run"
+    code, out = _interrupt([*_disk_run(tmp_path), f"hydra.run.dir={run_dir}"], signal.SIGKILL, worker=True)
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    said = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith("error: DataLoader worker (pid"), out[-3000:]  # torch's words
+    assert ": a data loading worker died (often the host's out-of-memory killer)" in said[0]
+    assert "lower data.num_workers (now 2) or data.batch_size" in said[0]
+    assert read_metrics(run_dir)["status"] == "data_worker_died"
+    resume = shlex.split(said[0].split("resume with: ", 1)[1])
+    assert resume == ["python", "train.py", f"hydra.run.dir={run_dir}"]
+    resumed = subprocess.run([sys.executable, str(ROOT / "train.py"), *resume[2:]], cwd=ROOT, capture_output=True)
+    assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-3000:]
+
+
 def test_ctrl_c_to_a_single_process_checkpoints_mid_epoch(tmp_path):
     run_dir = tmp_path / "run"
     code, out = _interrupt(
@@ -109,6 +177,31 @@ def test_ctrl_c_to_a_single_process_checkpoints_mid_epoch(tmp_path):
     )
     _check_stopped(code, out, signal.SIGINT, run_dir)
     assert _position(run_dir)[1] > 0
+
+
+def test_the_printed_resume_command_continues_a_run_of_other_data_and_model_options(tmp_path, cfg_factory):
+    """`python train.py hydra.run.dir=<run>` composes the default groups (data: digits, model: small_cnn); a run
+    that chose others continues with the checkpoint's groups whole, not a mix of two options' keys (which
+    failed with a traceback: data.root missing for shards), and still takes what it may change (workers)."""
+    from omegaconf import OmegaConf
+
+    from src.resume import reconcile
+
+    first = ["data=synthetic", "data.shape=[3,8,8]", "data.num_samples=300", "model=torchvision", "model.name=resnet18"]
+    cfg = cfg_factory(*first)
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    (tmp_path / "run/checkpoints").mkdir(parents=True)
+    torch.save({"model": {}, "config": saved}, tmp_path / "run/checkpoints/last.pt")
+    resumed = reconcile(cfg_factory(), overrides=[f"hydra.run.dir={tmp_path}/run"])
+    assert OmegaConf.to_container(resumed.data) == saved["data"]
+    assert OmegaConf.to_container(resumed.model) == saved["model"]
+    workers = reconcile(cfg_factory("data.num_workers=3"), overrides=["data.num_workers=3"])
+    assert workers.data.num_workers == 3 and {**OmegaConf.to_container(workers.data), "num_workers": 0} == {
+        **saved["data"],
+        "num_workers": 0,
+    }
+    with pytest.raises(Exception, match=r"data.num_samples=200 \(checkpoint: 300\)"):
+        reconcile(cfg_factory("data=synthetic", "data.num_samples=200"), overrides=["data.num_samples=200"])
 
 
 def test_the_printed_resume_command_continues_a_ddp_run_as_ddp(tmp_path, cfg_factory):
