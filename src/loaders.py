@@ -11,9 +11,6 @@ Workers ship uint8 images; normalization (4x the bytes as float32) happens on th
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,7 +21,7 @@ from src.augment import crop_flip, cutout, draw_params, epoch_generator, normali
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages
-from src.signals import STOP_SIGNALS
+from src.signals import data_workers_started, leave_stops_to_the_trainer
 
 
 @dataclass
@@ -226,42 +223,6 @@ def _first(batch):
     return batch
 
 
-# Stop signals (Ctrl-C, SIGTERM, SIGUSR2) are the training process's: it checkpoints, then stops its workers.
-# Sent to a whole process group or SLURM step they would kill a DataLoader worker first (torch's workers die on a
-# SIGTERM from anyone but their parent), and the run would end on "worker exited unexpectedly" without its
-# checkpoint. So workers start with them blocked (_started) and one thread of theirs takes them (_stops_...).
-WAITS_FOR_SIGNALS = hasattr(signal, "sigwaitinfo")  # (not on macOS: signals act there as before)
-
-
-def _started(loader: torch.utils.data.DataLoader) -> Iterator:
-    """iter(loader), with stop signals blocked while it starts workers: they and all their threads inherit the
-    mask (one that comes meanwhile waits, and reaches this process after)."""
-    if not WAITS_FOR_SIGNALS:
-        return iter(loader)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-def _stops_are_for_the_trainer(_worker_id: int) -> None:
-    """In each DataLoader worker (started by _started): its stop signals wait here. A SIGTERM from the training
-    process (stopping a stuck worker) still ends it, as torch's own handler would."""
-    if not WAITS_FOR_SIGNALS:
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    parent = os.getppid()
-
-    def wait() -> None:
-        while True:
-            info = signal.sigwaitinfo(STOP_SIGNALS)
-            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
-                os._exit(0)
-
-    threading.Thread(target=wait, daemon=True, name="stop-signals").start()
-
-
 class _Requests:
     """The batch sampler of a persistent DataLoader: the main process refills it before each pass."""
 
@@ -322,7 +283,7 @@ class ClassicLoader:
             prefetch_factor=4 if workers else None,
             persistent_workers=workers > 0,
             multiprocessing_context=start if workers else None,
-            worker_init_fn=_stops_are_for_the_trainer if workers else None,
+            worker_init_fn=leave_stops_to_the_trainer if workers else None,
         )
 
     def close(self) -> None:
@@ -354,7 +315,7 @@ class ClassicLoader:
         """The finished (x, y) of each batch of sample ids, fetched in pieces of _piece_size and joined again."""
         pieces = [ids.split(max(1, self._piece_size(len(ids)))) for ids in batches]
         fetched = _one_line_errors(
-            _started(self._loader(split, [(epoch, piece) for batch in pieces for piece in batch]))
+            data_workers_started(self._loader(split, [(epoch, piece) for batch in pieces for piece in batch]))
         )
         for batch in pieces:
             yield self._finish(self._join([next(fetched) for _ in batch]), split, epoch)

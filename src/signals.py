@@ -4,7 +4,8 @@ Who catches what (Ctrl-C, SIGTERM and SIGUSR2 all mean "checkpoint and stop"):
 - a single process and srun/submitit ranks: all three (StopRequest);
 - ranks under torch's elastic agent (ours or torchrun): SIGUSR2 and SIGINT (Ctrl-C reaches the whole foreground
   process group), never SIGTERM: the agent sends it to stop the survivors of a failed group at once;
-- the local launcher (src/launch.py `spawn`): all three, forwarded to its workers as their carriers (ForwardStops).
+- the local launcher (src/launch.py `spawn`): all three, forwarded to its workers as their carriers (ForwardStops);
+- DataLoader workers: none; they leave all three to their training process (data_workers_started).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -172,3 +174,45 @@ class ForwardStops:
             self._thread.join()
             signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
         _reset(self._previous, stopping=exc_type is not None or self.signum is not None)
+
+
+# Stop signals (Ctrl-C, SIGTERM, SIGUSR2) are the training process's: it checkpoints, then stops its workers.
+# Sent to a whole process group or SLURM step they would kill a DataLoader worker first (torch's workers die on a
+# SIGTERM from anyone but their parent), and the run would end on "worker exited unexpectedly" without its
+# checkpoint. So workers start with them blocked (data_workers_started) and one thread of theirs takes them
+# (leave_stops_to_the_trainer, their worker_init_fn).
+WAITS_FOR_SIGNALS = hasattr(signal, "sigwaitinfo")  # (not on macOS: signals act there as before)
+
+
+def data_workers_started(loader: torch.utils.data.DataLoader) -> Iterator:
+    """iter(loader), with stop signals blocked while it starts workers: they and all their threads inherit the
+    mask (one that comes meanwhile waits, and reaches this process after). torch's SIGCHLD handler, set here
+    once, is taken back: it raised a dead worker's error wherever this process happened to be (inside a logging
+    call it is printed and swallowed). The next fetch finds a dead worker instead (within 5 s), and raises there."""
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD")
+    child = signal.getsignal(signal.SIGCHLD) if main else None
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if WAITS_FOR_SIGNALS else None
+    try:
+        return iter(loader)
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        if child is not None:
+            signal.signal(signal.SIGCHLD, child)
+
+
+def leave_stops_to_the_trainer(_worker_id: int) -> None:
+    """In each DataLoader worker (started by data_workers_started): its stop signals wait here. A SIGTERM from
+    the training process (stopping a stuck worker) still ends it, as torch's own handler would."""
+    if not WAITS_FOR_SIGNALS:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    parent = os.getppid()
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(STOP_SIGNALS)
+            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, daemon=True, name="stop-signals").start()

@@ -344,6 +344,28 @@ def test_a_piece_of_unreadable_images_is_skipped_and_a_batch_of_them_is_one_line
         loader.close()
 
 
+def test_a_dead_worker_is_raised_by_the_next_fetch_not_wherever_the_process_is(tmp_path):
+    """torch's SIGCHLD handler raised a dead worker's error at any point of the training process (inside a
+    logging call it was printed and swallowed); now the next fetch raises it."""
+    import os
+    import signal
+    import time
+
+    write_tree(tmp_path / "tree", per_class=(40, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        batches = loader.train_batches(steps, 0)
+        next(batches)
+        os.kill(loader.loaders["all"]._iterator._workers[0].pid, signal.SIGKILL)
+        time.sleep(1.0)  # the child's death is signalled meanwhile: nothing may be raised here
+        with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"):
+            list(batches)
+    finally:
+        loader.close()
+
+
 def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
