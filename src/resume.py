@@ -108,8 +108,9 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     saved = load(path).get("config")
     if not saved:
         return cfg
-    groups = _groups_chosen_otherwise(saved, OmegaConf.to_container(cfg, resolve=True), explicit)
-    now = _flat(OmegaConf.to_container(cfg, resolve=True))
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    groups = _groups_chosen_otherwise(saved, tree, explicit)
+    now = _flat(tree)
     before = _flat(saved)
     refused, kept = [], {}
     for key in sorted(set(before) & set(now)):  # keys only one side knows come from other code versions
@@ -131,7 +132,7 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
         if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
             kept[key] = before[key]
     if kept or layout or groups:
-        merged = {**OmegaConf.to_container(cfg, resolve=True), **layout}
+        merged = {**tree, **layout}
         for group in groups:  # the checkpoint's group, with what this command line may change in it
             merged[group] = saved[group]
             mine = [k for k in now if k.startswith(group + ".") and _set_by_user(k, explicit)]
