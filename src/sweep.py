@@ -16,6 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -58,6 +59,9 @@ class SweepReport(Callback):
     """Registered in conf/train.yaml; also checks that a single run's directory can be made."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        # the default dir lies under ${hydra:runtime.cwd}, which resolves once HydraConfig is set; Hydra sets it
+        # again for the job. run_stamp is cached on this config, so the job gets the folder made here
+        HydraConfig.instance().set_config(config)
         _make(Path(config.hydra.run.dir), "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:

@@ -445,6 +445,21 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(cli, name, key):
     assert (tmp / "file").read_text() == "a file, not a folder" and sorted(p.name for p in tmp.iterdir()) == ["file"]
 
 
+def test_the_default_run_dir_is_checked_without_a_warning(tmp_path):
+    """hydra.run.dir's default lies under ${hydra:runtime.cwd}, which Hydra only sets for the job: the check that
+    the folder can be made warned on every run ("Callback SweepReport.on_run_start raised ...") and never ran, so
+    an output folder that cannot be made ended in Hydra's traceback."""
+    ok = run_cli("trainer.max_epochs=1", "logger=none", cwd=tmp_path)
+    assert ok.returncode == 0 and "raised" not in ok.stderr, ok.stderr[-1500:]
+    made = list((tmp_path / "outputs" / "runs").glob("*/*"))  # one folder: the job's, made by the check
+    assert len(made) == 1 and (made[0] / "metrics.json").is_file()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "outputs").write_text("a file, not a folder")
+    refused = run_cli("trainer.max_epochs=1", "logger=none", cwd=tmp_path / "elsewhere")
+    _one_line_error(refused, f"cannot create hydra.run.dir={tmp_path / 'elsewhere' / 'outputs' / 'runs'}/")
+    assert "raised" not in refused.stderr
+
+
 # --- found by this table (each failed with a traceback or a silently wrong result) -------------------------
 
 
