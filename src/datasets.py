@@ -72,7 +72,7 @@ SHARED_KEYS = {
     "augment": (lambda v: v in AUGMENTS, f"one of {', '.join(AUGMENTS)}"),
     "cutout": (lambda v: _is_int(v, 0), "a side length in pixels >= 0 (0 = off)"),
     "pad_mode": (lambda v: v in ("zeros", "reflect"), "zeros or reflect"),
-    "num_workers": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "num_workers": (lambda v: v == "auto" or _is_int(v, 0), "auto or an integer >= 0"),
     "loader": (lambda v: v in ("auto", "classic", "gpu"), "auto, classic or gpu"),
 }
 # checked where a dataset has them

@@ -120,10 +120,11 @@ class DiskLoader(ClassicLoader):
         seed: int,
         on_device: bool,
         crop_on_device: bool,
+        num_workers: int,
     ):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device, self.on_device, self.num_workers = device, on_device, cfg.get("num_workers", 0)
+        self.device, self.on_device, self.num_workers = device, on_device, num_workers
         self.name = "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
         self.crops = crops = DiskCrops(

@@ -11,6 +11,8 @@ Workers ship uint8 images; normalization (4x the bytes as float32) happens on th
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,6 +24,12 @@ from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages
 from src.signals import data_workers_started, leave_stops_to_the_trainer
+
+log = logging.getLogger(__name__)
+# data.num_workers=auto: 15 CPU workers fed ResNet-50 on one H100 from 256-px shards at 0.95x its ceiling
+# (bench/results/resnet50-shards256-pieces_4xh100_2026-11-27.md); GPU-decoding workers each hold a CUDA context,
+# and 3 fed an H100 best (bench/results/resnet50-gpudecode-workers_h100_2026-11-26.md)
+AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
 
 
 @dataclass
@@ -341,9 +349,41 @@ def _one_line_errors(loader) -> Iterator:
         raise ConfigError(last.split("ConfigError: ", 1)[-1]) from None
 
 
-def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: bool, seed: int, compile: bool = False):
+def cpus_of_this_process(local_processes: int) -> int:
+    """The CPUs this training process may use. The training processes of a node share its CPUs unless the
+    launcher bound each to its own (e.g. SLURM's --cpus-per-task: an affinity no larger than one process's share)."""
+    mine = len(os.sched_getaffinity(0))
+    if local_processes > 1 and mine > (os.cpu_count() or mine) // local_processes:
+        return max(1, mine // local_processes)
+    return mine
+
+
+def resolve_workers(value, device: torch.device, in_memory: bool, decode_on_device: bool, local_processes: int) -> int:
+    """data.num_workers: an integer as given; auto: this process's CPUs but one (left to it), at most
+    AUTO_CPU_WORKERS (AUTO_GPU_DECODING_WORKERS when the workers decode on the GPU); none for data in memory on a
+    CPU device, where workers would take the cores the training step runs on."""
+    if value != "auto":
+        return value
+    if in_memory and device.type == "cpu":
+        return 0
+    cpus = cpus_of_this_process(local_processes)
+    workers = max(0, min(cpus - 1, AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS))
+    log.info("data.num_workers=auto: %d DataLoader workers (%d CPUs for this process, one kept for it)", workers, cpus)
+    return workers
+
+
+def build_loader(
+    data: DataBundle,
+    cfg,
+    device: torch.device,
+    channels_last: bool,
+    seed: int,
+    compile: bool = False,
+    local_processes: int = 1,
+):
     """data.loader: gpu (device-resident), classic (DataLoader workers) or auto.
-    compile (trainer.compile): compile the gpu loader's augmentation too."""
+    compile (trainer.compile): compile the gpu loader's augmentation too. local_processes: the training processes
+    of this node (data.num_workers=auto shares its CPUs among them)."""
     choice = cfg.get("loader", "auto")
     pad_mode = cfg.get("pad_mode", "zeros")
     if choice == "auto":
@@ -362,5 +402,7 @@ def build_loader(data: DataBundle, cfg, device: torch.device, channels_last: boo
         # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
         decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda" and crop != "workers")
         crop_on_device = decode_on_device or crop == "device"
-        return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device)
-    return ClassicLoader(data, device, channels_last, cfg.get("num_workers", 0), seed, cfg.get("cutout", 0), pad_mode)
+        workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes)
+        return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device, workers)
+    workers = resolve_workers(cfg.get("num_workers", 0), device, data.in_memory, False, local_processes)
+    return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode)

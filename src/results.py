@@ -45,7 +45,7 @@ def _choices(run_dir: Path) -> dict:
         return {}
 
 
-def hparams(cfg: DictConfig, layout: Layout, strategy, loader: str, run_dir: Path) -> dict:
+def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) -> dict:
     """The settings a comparison is about (TensorBoard HParams, metrics.json, the report)."""
     t, choices = cfg.trainer, _choices(run_dir)
 
@@ -69,7 +69,8 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader: str, run_dir: Pat
         "max_epochs": t.max_epochs,
         "seed": cfg.seed,
         "lr": cfg.optim.lr,
-        "loader": loader,
+        "loader": loader.name,
+        "num_workers": getattr(loader, "num_workers", 0),  # data.num_workers as resolved (auto: from the CPUs)
         "compile": t.compile,
         "channels_last": t.channels_last,
         "threads": torch.get_num_threads(),
@@ -169,7 +170,7 @@ class Reporter:
 
     summarize = staticmethod(summarize)
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, strategy, loader: str, device: torch.device):
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, strategy, loader, device: torch.device):
         from src.loggers import Logger, build_loggers
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device

@@ -141,7 +141,9 @@ class Trainer:
         # every strategy and accumulation gets the gradient of the mean loss over the global batch
         self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
         self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
-        self.loader = build_loader(self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile)
+        self.loader = build_loader(
+            self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile, self.env.local_world_size
+        )
         self.optimizer = build_optimizer(
             cfg.optim, self.strategy.core, fused=self.device.type == "cuda" and self.strategy.fused_optimizer
         )
@@ -162,7 +164,7 @@ class Trainer:
         )
         self.progress = Progress()
         if self.primary:
-            self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader.name, self.device)
+            self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader, self.device)
 
     def _count_flops(self, model: torch.nn.Module) -> float:
         """FLOPs of one training image (forward + backward), counted once on two images: linear in the batch."""
@@ -356,7 +358,7 @@ class Trainer:
                 resume = f", then resume with: python train.py hydra.run.dir={self.run_dir}" if self.cfg.train else ""
                 exc = WorkerDied(
                     f"{str(exc).splitlines()[0].rstrip('. ')}: a data loading worker died (often the host's "
-                    f"out-of-memory killer); lower data.num_workers (now {self.cfg.data.get('num_workers', 0)}) "
+                    f"out-of-memory killer); lower data.num_workers (now {self.loader.num_workers}) "
                     f"or data.batch_size{resume}"
                 )
             if type(exc) not in STOPPED:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from src.config import ConfigError
 from src.datasets import load_data
 from src.decode import decode_cpu, gpu_decodable
 from src.disk_loader import DiskLoader
-from src.loaders import build_loader, plan_epoch
+from src.loaders import build_loader, cpus_of_this_process, plan_epoch, resolve_workers
 from src.trainer import train
 from tests.conftest import make_cfg
 
@@ -325,6 +326,59 @@ def test_cpu_decoding_spreads_a_batch_over_the_workers_and_joins_it_again(tmp_pa
         loader.close()
     for a, b in [*zip(pieces, whole, strict=True), *zip(test_pieces, test_whole, strict=True)]:
         assert a[0].shape[0] in (80, 40) and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.fixture
+def one_cpu():
+    """This process bound to one CPU (as a launcher binds a task), for the length of a test."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    yield
+    os.sched_setaffinity(0, cpus)
+
+
+def test_auto_workers_are_this_process_cpus_but_one(one_cpu):
+    """data.num_workers=auto (on-disk data's default): the CPUs this process may use, but one kept for it; the
+    node's CPUs are shared by its training processes unless each is bound to its own."""
+    os.sched_setaffinity(0, set(range(os.cpu_count())))  # every CPU, as a process started without a binding
+    n = os.cpu_count()
+    assert cpus_of_this_process(1) == n and cpus_of_this_process(2) == max(1, n // 2)
+    cpu, cuda = CPU, torch.device("cuda", 0)
+    assert resolve_workers(5, cpu, False, False, 1) == 5  # a number is kept
+    assert resolve_workers("auto", cpu, False, False, 1) == min(n - 1, 16)  # CPU decoding
+    assert resolve_workers("auto", cuda, False, True, 1) == min(n - 1, 3)  # GPU decoding: each holds a CUDA context
+    assert resolve_workers("auto", cpu, True, False, 1) == 0  # in memory on a CPU: the step needs those cores
+    assert resolve_workers("auto", cuda, True, False, 2) == max(0, min(max(1, n // 2) - 1, 16))
+    os.sched_setaffinity(0, {0})  # bound to one CPU (e.g. srun --cpus-per-task=1): nothing to spare
+    assert cpus_of_this_process(1) == cpus_of_this_process(4) == 1
+    assert resolve_workers("auto", cpu, False, False, 4) == 0
+
+
+def test_auto_workers_train_like_any_count_and_are_recorded(tmp_path, caplog):
+    """The default data.num_workers=auto on an on-disk folder: the run says how many workers it started, records
+    the count in metrics.json's hparams, and trains to the same numbers as loading in the training process."""
+    write_tree(tmp_path / "tree", per_class=(12, 4))
+    runs = {}
+    caplog.set_level(logging.INFO, logger="src.loaders")
+    for workers in ("auto", "0"):
+        cfg = make_cfg(
+            tmp_path / workers,
+            "data=imagefolder",
+            f"data.root={tmp_path / 'tree'}",
+            "data.image_size=16",
+            "data.augment=random_resized_crop",
+            f"data.num_workers={workers}",
+            "data.batch_size=8",
+            "trainer.max_epochs=2",
+        )
+        runs[workers] = train(cfg), (tmp_path / workers / "run" / "metrics.json").read_text()
+    cpus = len(os.sched_getaffinity(0))
+    expected = max(0, min(cpus - 1, 16))
+    assert f'"num_workers": {expected}' in runs["auto"][1] and '"num_workers": 0' in runs["0"][1]
+    assert runs["auto"][0]["test_loss"] == runs["0"][0]["test_loss"]
+    said = [r.getMessage() for r in caplog.records if r.name == "src.loaders"]
+    line = f"data.num_workers=auto: {expected} DataLoader workers ({cpus} CPUs for this process, one kept for it)"
+    assert said == [line]
 
 
 def test_a_piece_of_unreadable_images_is_skipped_and_a_batch_of_them_is_one_line(tmp_path, caplog):
