@@ -352,7 +352,7 @@ def _one_line_errors(loader) -> Iterator:
 def cpus_of_this_process(local_processes: int) -> int:
     """The CPUs this training process may use. The training processes of a node share its CPUs unless the
     launcher bound each to its own (e.g. SLURM's --cpus-per-task: an affinity no larger than one process's share)."""
-    mine = len(os.sched_getaffinity(0))
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
     if local_processes > 1 and mine > (os.cpu_count() or mine) // local_processes:
         return max(1, mine // local_processes)
     return mine
