@@ -164,6 +164,12 @@ def plan(args) -> list[dict]:
             }
             for tag, loader_data in loaders
         ]
+        if args.gpus > 1:  # one loader per GPU, all at once: what the host's CPUs deliver to every GPU together
+            configs += [
+                {**c, "name": c["name"].replace("loader-", f"loader{args.gpus}-", 1), "gpus": args.gpus}
+                for c in configs
+                if c["kind"] == "loader"
+            ]
     compiles = [False] if args.smoke else {"on": [True], "off": [False], "both": [True, False]}[args.compile]
     for compile_ in compiles:
         for strategy, gpus in mode["strategies"]:
@@ -330,7 +336,8 @@ def table(report: dict) -> str:
     if any(r["kind"] == "loader" for r in runs.values()):
         lines.append(
             "loader-* = one GPU's loader alone (read, decode, augment; no model); its vs ceiling > 1: "
-            "it can feed that GPU; pass start = the wait for the first batch of a pass (each epoch, each evaluation)"
+            "it can feed that GPU; loaderN-* = N of them at once, one per GPU (the host's CPUs shared; vs ceiling "
+            "per GPU); pass start = the wait for the first batch of a pass (each epoch, each evaluation)"
         )
     return "\n".join(lines)
 
@@ -493,7 +500,45 @@ def child_loop(spec: dict) -> dict:
 def child_loader(spec: dict) -> dict:
     """The loader alone, as one rank of a run builds it: `warmup` batches, then `steps` timed ones (read,
     decode, augment, normalize; on CUDA until the last batch is ready on the device); then the wait for the
-    first batch of the next pass (each epoch and each evaluation starts one)."""
+    first batch of the next pass (each epoch and each evaluation starts one). With gpus N > 1, N such loaders run at
+    once, one per GPU in a process of its own, timed from a common start: images/s is their sum."""
+    if spec["gpus"] == 1:
+        return time_loader(spec, 0)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(spec["gpus"]), ctx.Queue()
+    procs = [ctx.Process(target=_one_of_loaders, args=(spec, i, start, results)) for i in range(spec["gpus"])]
+    for proc in procs:
+        proc.start()
+    each = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    failed = [r for r in each if "error" in r]
+    if failed:
+        raise SystemExit(failed[0]["error"])
+    each.sort(key=lambda r: r["rank"])
+    return {
+        **each[0],
+        "images_per_sec": sum(r["images_per_sec"] for r in each),
+        "images": sum(r["images"] for r in each),
+        "seconds": max(r["seconds"] for r in each),
+        "pass_start_sec": max(r["pass_start_sec"] for r in each),
+        "per_gpu_images_per_sec": [r["images_per_sec"] for r in each],
+    }
+
+
+def _one_of_loaders(spec: dict, rank: int, start, results) -> None:
+    try:
+        results.put({**time_loader(spec, rank, start), "rank": rank})
+    except BaseException as exc:  # the parent waits for every rank's answer; the others must not wait for this one
+        start.abort()
+        results.put({"rank": rank, "error": f"loader {rank} of {spec['gpus']}: {exc!r}"})
+
+
+def time_loader(spec: dict, rank: int, start=None) -> dict:
+    """One loader on device `rank` (of spec["gpus"] loaders sharing the host); `start`: a barrier passed by all of
+    them after their warm-up, so that their timed batches overlap."""
     import torch
 
     from src.datasets import load_data
@@ -501,10 +546,12 @@ def child_loader(spec: dict) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)
-    device = torch.device(spec["device"])
+    device = torch.device(spec["device"], rank) if spec["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     data = load_data(cfg.data)
-    loader = build_loader(data, cfg.data, device, spec["channels_last"], seed=0)
+    loader = build_loader(data, cfg.data, device, spec["channels_last"], seed=0, local_processes=spec["gpus"])
     steps = plan_epoch(len(data.train), spec["batch"], 1, 0, 1, seed=0, epoch=0, drop_last=True)
     steps = steps[: spec["warmup"] + spec["steps"]]
     if len(steps) <= spec["warmup"]:
@@ -514,6 +561,8 @@ def child_loader(spec: dict) -> dict:
         for k, batch in enumerate(loader.train_batches(steps, 0)):
             if k == spec["warmup"]:
                 sync()
+                if start is not None:
+                    start.wait()
                 t0 = time.perf_counter()
             timed += len(batch.y) if k >= spec["warmup"] else 0
         sync()
@@ -529,7 +578,7 @@ def child_loader(spec: dict) -> dict:
         "pass_start_sec": pass_start,
         "seconds": seconds,
         "images": timed,
-        "workers": cfg.data.num_workers,
+        "workers": getattr(loader, "num_workers", 0),
         "loader_name": loader.name,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "gpu_count": torch.cuda.device_count(),

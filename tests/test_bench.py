@@ -222,6 +222,33 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     assert "pass start s" in proc.stdout
 
 
+def test_loaders_at_once_sum_what_each_gpu_gets(tmp_path):
+    """--gpus N adds loaderN-*: N loaders at once, one per device in a process of its own, timed from a common
+    start; images/s is the sum of theirs. A loader that cannot start fails the run in one line, not a hang."""
+    from tests.test_decode import write_tree
+
+    write_tree(tmp_path / "tree", per_class=(32, 4))
+    out = tmp_path / "b.json"
+    common = ("--smoke", "--decode", "cpu", "--workers", "1", "--gpus", "2", "--image-size", "16", "--batch", "4")
+    proc = bench(
+        *common, "--data-root", str(tmp_path / "tree"), "--loader-steps", "4", "--only", "loader*", "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["loader-classic1", "loader2-classic1"]
+    both = runs["loader2-classic1"]
+    assert both["ok"] and both["gpus"] == 2 and len(both["per_gpu_images_per_sec"]) == 2
+    assert both["images_per_sec"] == pytest.approx(sum(both["per_gpu_images_per_sec"]))
+    assert both["images"] == 2 * 4 * 4 and both["workers"] == 1
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    proc = bench(
+        *common, "--data-root", str(tmp_path / "empty"), "--only", "loader2-*", "--out", str(out), "--timeout", "120"
+    )
+    failed = json.loads(out.read_text())["runs"]["loader2-classic1"]
+    assert proc.returncode == 1 and not failed["ok"], proc.stdout[-2000:]
+    assert "loader 0 of 2: ConfigError" in failed["error"] or "loader 1 of 2: ConfigError" in failed["error"]
+
+
 @pytest.mark.parametrize("model", ["resnet50", "vit_b16", "resnet18"])
 def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
     """--scaling MODEL --dry-run: single, ddp and fsdp on 2 and 4 GPUs, with the global batch growing with the
