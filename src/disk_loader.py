@@ -63,7 +63,7 @@ class _DiskBatches(torch.utils.data.Dataset):
         return len(self.splits["train"])
 
     def __getitems__(self, request):
-        split, epoch, ids = request
+        split, epoch, ids = request[0], request[1], torch.from_numpy(request[2])
         files, labels = self.splits[split].files, self.splits[split].labels
         if self.device is None:
             kept, images, skipped = _read_or_skip(

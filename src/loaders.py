@@ -207,7 +207,7 @@ class _MemoryBatches(torch.utils.data.Dataset):
         return len(self.split)
 
     def __getitems__(self, request):
-        epoch, ids = request
+        epoch, ids = request[0], torch.from_numpy(request[1])
         params = self.draws(epoch, ids)
         return _Batch(self.transform.augment(self.split.images[ids], params), self.split.labels[ids], params)
 
@@ -222,8 +222,7 @@ class _FileBatches(torch.utils.data.Dataset):
         return len(self.split)
 
     def __getitems__(self, request):
-        _, ids = request
-        samples = [self.split.files[i] for i in ids.tolist()]
+        samples = [self.split.files[i] for i in request[1].tolist()]
         return _Batch(torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples]))
 
 
@@ -322,9 +321,10 @@ class ClassicLoader:
     def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:
         """The finished (x, y) of each batch of sample ids, fetched in pieces of _piece_size and joined again."""
         pieces = [ids.split(max(1, self._piece_size(len(ids)))) for ids in batches]
-        fetched = _one_line_errors(
-            data_workers_started(self._loader(split, [(epoch, piece) for batch in pieces for piece in batch]))
-        )
+        # ids go to the workers as numpy arrays, pickled by value: a tensor would cross as a file descriptor, one
+        # socket handshake with this process per piece (and a worker killed during one printed a traceback here)
+        requests = [(epoch, piece.numpy()) for batch in pieces for piece in batch]
+        fetched = _one_line_errors(data_workers_started(self._loader(split, requests)))
         for batch in pieces:
             yield self._finish(self._join([next(fetched) for _ in batch]), split, epoch)
 

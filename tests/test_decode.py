@@ -381,6 +381,39 @@ def test_auto_workers_train_like_any_count_and_are_recorded(tmp_path, caplog):
     assert said == [line]
 
 
+SHARES_NO_DESCRIPTORS = """
+import sys
+from multiprocessing import resource_sharer
+from pathlib import Path
+import torch
+from src.loaders import build_loader, plan_epoch
+from tests.test_decode import disk_data, write_tree
+tmp = Path(sys.argv[1])
+write_tree(tmp / "tree", per_class=(20, 4))
+data, cfg = disk_data(tmp, tmp / "tree", "data.num_workers=2", "data.decode=cpu")
+loader = build_loader(data, cfg.data, torch.device("cpu"), False, seed=7)
+batches = [b.x for b in loader.train_batches(plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0), 0)]
+loader.close()
+print(len(batches), resource_sharer._resource_sharer._listener is None)
+"""
+
+
+def test_the_training_process_sends_its_workers_no_file_descriptors(tmp_path):
+    """Sample ids go to the workers by value: as tensors, each piece crossed as a file descriptor, i.e. a socket
+    handshake with the training process's descriptor-sharing thread, and a worker killed during one (the OOM
+    killer) printed a traceback from that thread beside the one-line error."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARES_NO_DESCRIPTORS, str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["5", "True"], proc.stdout
+
+
 def test_a_piece_of_unreadable_images_is_skipped_and_a_batch_of_them_is_one_line(tmp_path, caplog):
     write_tree(tmp_path / "tree", per_class=(4, 20))
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=3", "data.skip_bad_images=true")
