@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -347,6 +348,22 @@ def _one_line_errors(loader) -> Iterator:
     except ConfigError as exc:
         last = str(exc).strip().splitlines()[-1]
         raise ConfigError(last.split("ConfigError: ", 1)[-1]) from None
+    except (ConnectionError, EOFError) as exc:
+        died = dead_workers(loader)
+        if died is None:
+            raise
+        raise died from exc
+
+
+def dead_workers(loader, grace: float = 2.0) -> RuntimeError | None:
+    """A batch crosses from a worker as a file descriptor, fetched over a socket from that worker: when the worker
+    is killed during the handover, the socket error reaches this process before the worker is seen to be dead.
+    Wait up to `grace` s for that, and say it in torch's words (what src/trainer.py reports as a dead worker)."""
+    workers = getattr(getattr(loader, "_iterator", None), "_workers", [])
+    deadline = time.monotonic() + grace
+    while not (dead := [w.pid for w in workers if not w.is_alive()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) exited unexpectedly") if dead else None
 
 
 def cpus_of_this_process(local_processes: int) -> int:

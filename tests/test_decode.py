@@ -453,6 +453,34 @@ def test_a_dead_worker_is_raised_by_the_next_fetch_not_wherever_the_process_is(t
         loader.close()
 
 
+def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path):
+    """A batch's file descriptor is fetched over a socket from its worker; a worker killed during that handover
+    (1 in 8 runs of the killed-worker CLI test under load) raised ConnectionResetError with a traceback, before
+    torch saw the worker dead. Now the fetch waits for the death and says it in torch's words; with every worker
+    alive the socket error stays what it is."""
+    import os
+    import signal
+
+    from src.loaders import dead_workers
+
+    write_tree(tmp_path / "tree", per_class=(40, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        batches = loader.train_batches(plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0), 0)
+        next(batches)
+        data_loader = loader.loaders["all"]
+        assert dead_workers(data_loader, grace=0.2) is None
+        victim = data_loader._iterator._workers[1].pid
+        os.kill(victim, signal.SIGKILL)  # its death is seen within the grace, as after a reset socket
+        died = dead_workers(data_loader)
+        assert (
+            isinstance(died, RuntimeError) and str(died) == f"DataLoader worker (pid(s) {victim}) exited unexpectedly"
+        )
+    finally:
+        loader.close()
+
+
 def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
