@@ -129,6 +129,7 @@ class DeviceLoader:
     """The whole dataset lives on the device as uint8; augmentation runs there, batched."""
 
     name = "gpu"
+    num_workers = 0  # no worker processes: every loader says how many it runs (hparams)
 
     def __init__(
         self,

@@ -70,7 +70,7 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) ->
         "seed": cfg.seed,
         "lr": cfg.optim.lr,
         "loader": loader.name,
-        "num_workers": getattr(loader, "num_workers", 0),  # data.num_workers as resolved (auto: from the CPUs)
+        "num_workers": loader.num_workers,  # data.num_workers as resolved (auto: from the CPUs)
         "compile": t.compile,
         "channels_last": t.channels_last,
         "threads": torch.get_num_threads(),
