@@ -37,6 +37,8 @@ CEILINGS = [
 LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
 # every multi-GPU strategy at 2, 4 and 8 GPUs, up to --gpus
 LOOP_STRATEGIES = [("single", 1)] + [(s, g) for g in (2, 4, 8) for s in ("dp", "ddp", "fsdp")]
+# what a run reports where it applies: the GPU's data wait and memory on CUDA, FLOP rates where counted
+OPTIONAL_FIGURES = ("gpu_data_wait_fraction", "peak_mem_gb", "peak_mem_reserved_gb", "tflops_per_gpu", "mfu")
 WIDTH = 36  # the run column: resnet50-ceiling-bf16-cl-cudagraphs
 SMOKE = {
     "model": "tiny_cnn",
@@ -299,7 +301,7 @@ def table(report: dict) -> str:
     lines = [
         f"ddplab bench | {gpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
-        f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait':>11}{'epoch 1 s':>11}"
+        f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait (GPU)':>16}{'epoch 1 s':>11}"
         f"{'wall s':>8}{'peak GB':>9}{'MFU':>6}{'pass start s':>14}",
     ]
     for name, r in runs.items():
@@ -308,13 +310,14 @@ def table(report: dict) -> str:
             continue
         ceil, single = by.get(("vs_ceiling", name)), by.get(("vs_single", name))
         wait = f"{100 * r['data_wait_fraction']:.0f}%" if "data_wait_fraction" in r else ""
+        wait += f" ({100 * r['gpu_data_wait_fraction']:.0f}%)" if "gpu_data_wait_fraction" in r else ""
         first = f"{r['epoch_sec'][0]:.1f}" if r.get("epoch_sec") else ""
         ceil, single = (f"{x['value']:.2f}" if x else "" for x in (ceil, single))
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else ""
         mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") is not None else ""
         start = f"{r['pass_start_sec']:.3f}" if r.get("pass_start_sec") is not None else ""
         lines.append(
-            f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>11}{first:>11}"
+            f"{name:<{WIDTH}}{r['images_per_sec']:>10.0f}{ceil:>12}{single:>10}{wait:>16}{first:>11}"
             f"{r['wall_sec']:>8.0f}{mem:>9}{mfu:>6}{start:>14}"
         )
     refs = sorted(
@@ -486,7 +489,7 @@ def child_loop(spec: dict) -> dict:
         "images_per_sec": final["images_per_sec"],
         "sec_per_epoch": final["sec_per_epoch"],
         "data_wait_fraction": final["data_wait_fraction"],
-        **{k: final[k] for k in ("peak_mem_gb", "peak_mem_reserved_gb", "tflops_per_gpu", "mfu") if k in final},
+        **{k: final[k] for k in OPTIONAL_FIGURES if k in final},
         "steps_per_epoch": cfg.trainer.limit_train_batches,
         "epoch_sec": [e["epoch_sec"] for e in epochs],
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],

@@ -17,8 +17,8 @@ log = logging.getLogger("ddplab")
 
 
 def summarize(history: list[dict]) -> dict:
-    """Seconds per epoch, images/s and data-wait fraction, leaving out epoch 1 (warm-up, compilation)
-    when there are later epochs."""
+    """Seconds per epoch, images/s and data-wait fractions (the host's; the GPU's on CUDA), leaving out epoch 1
+    (warm-up, compilation) when there are later epochs."""
     rows = history[1:] if len(history) > 1 else history
     if not rows:
         return {}
@@ -28,6 +28,8 @@ def summarize(history: list[dict]) -> dict:
         "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
         "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows),
     }
+    if all("gpu_data_wait_fraction" in r for r in rows):
+        out["gpu_data_wait_fraction"] = sum(r["gpu_data_wait_fraction"] for r in rows) / len(rows)
     for key in ("tflops_per_gpu", "mfu"):  # rates: time-weighted like images/s
         if all(key in r for r in rows):
             out[key] = sum(r[key] * r["epoch_sec"] for r in rows) / seconds
@@ -92,10 +94,16 @@ def efficiency_line(m: dict) -> str:
     return ", ".join(parts)
 
 
+def data_wait(m: dict) -> str:
+    """ "27% (GPU 2%)": the host's wait for batches, and on CUDA how long the GPU went without a step's work."""
+    host = f"{100 * m.get('data_wait_fraction', 0.0):.0f}%"
+    return f"{host} (GPU {100 * m['gpu_data_wait_fraction']:.0f}%)" if "gpu_data_wait_fraction" in m else host
+
+
 def log_final(final: dict) -> None:
     log.info(
         "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
-        "%.0f img/s, data wait %.0f%% | params in sync: %s, BN buffers in sync: %s",
+        "%.0f img/s, data wait %s | params in sync: %s, BN buffers in sync: %s",
         final["test_loss"],
         final["test_top1"],
         final["test_top5"],
@@ -103,7 +111,7 @@ def log_final(final: dict) -> None:
         final["best_epoch"],
         final.get("sec_per_epoch", math.nan),
         final.get("images_per_sec", math.nan),
-        100 * final.get("data_wait_fraction", 0.0),
+        data_wait(final),
         final["params_in_sync"],
         final["bn_buffers_in_sync"],
     )
@@ -195,7 +203,7 @@ class Reporter:
         )  # the splits this epoch has
         precision = f"amp {t.amp_dtype}" if t.amp else "fp32"
         log.info(
-            "epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, %s | %s",
+            "epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, data wait %s, %s | %s",
             row["epoch"],
             t.max_epochs,
             row["train_loss"],
@@ -203,6 +211,7 @@ class Reporter:
             evaluated,
             row["epoch_sec"],
             row["images_per_sec"],
+            data_wait(row),
             precision,
             efficiency_line(row),
         )

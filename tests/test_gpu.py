@@ -29,6 +29,7 @@ def test_strategy_trains_on_gpu(cfg_factory, strategy):
     devices = [] if strategy == "single" else ["trainer.devices=2"]
     metrics = launch(cfg_factory(*GPU, f"strategy={strategy}", *devices))
     assert metrics["test_count"] == 512 and metrics["params_in_sync"] is True
+    assert 0 <= metrics["gpu_data_wait_fraction"] < 1  # the GPU's data wait, from CUDA events (tests/test_meter.py)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -1,0 +1,72 @@
+"""Data wait: the host's (time spent getting the next batch) and, on CUDA, the GPU's (time the GPU went without
+a step's work between the steps), against sleeps of known length."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from src.meter import EpochMeter
+
+
+def _epoch(meter: EpochMeter, items: int, fetch_sec: float, step) -> dict:
+    """An epoch of `items` fetches that each sleep `fetch_sec` on the host, each followed by `step()`."""
+
+    def batches():
+        for _ in range(items):
+            time.sleep(fetch_sec)
+            yield 1
+
+    it = batches()
+    while meter.next(it) is not None:
+        step()
+        meter.add(torch.zeros(2, dtype=torch.float64, device=meter.device), 1)
+    return meter.finish(items)
+
+
+def test_host_data_wait_is_the_time_spent_fetching():
+    row = _epoch(EpochMeter(torch.device("cpu"), 1), 5, 0.04, lambda: time.sleep(0.04))
+    assert 0.4 <= row["data_wait_fraction"] <= 0.6
+    assert "gpu_data_wait_fraction" not in row  # no GPU, no GPU figure
+
+
+def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_factory, tmp_path, caplog):
+    from src.trainer import train
+
+    with caplog.at_level("INFO", logger="ddplab"):
+        final = train(cfg_factory("debug=fast", "trainer.max_epochs=2"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 2/2"))
+    second = json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"][1]
+    assert f"data wait {100 * second['data_wait_fraction']:.0f}%," in line
+    assert 0 < final["data_wait_fraction"] < 1 and "gpu_data_wait_fraction" not in final
+    assert "(GPU" not in line
+
+
+def _gpu_sleep(seconds: float) -> None:
+    """Queue `seconds` of GPU work (a spin kernel), measured once on this GPU."""
+    global _CYCLES_PER_SEC
+    if "_CYCLES_PER_SEC" not in globals():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_SEC = 10_000_000 / (start.elapsed_time(end) / 1000)
+    torch.cuda._sleep(int(seconds * _CYCLES_PER_SEC))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_data_wait_counts_only_the_time_the_gpu_has_no_step_to_run():
+    device = torch.device("cuda", torch.cuda.current_device())
+    # the host fetches (20 ms) while the GPU runs the previous step (50 ms): the host waits, the GPU does not
+    busy = _epoch(EpochMeter(device, 1), 10, 0.02, lambda: _gpu_sleep(0.05))
+    assert busy["data_wait_fraction"] > 0.3
+    assert busy["gpu_data_wait_fraction"] < 0.1  # the first fetch only: 20 of ~520 ms
+    # fetches (50 ms) longer than the steps (5 ms): the GPU idles through most of each fetch
+    starved = _epoch(EpochMeter(device, 1), 10, 0.05, lambda: _gpu_sleep(0.005))
+    assert starved["gpu_data_wait_fraction"] > 0.75
+    assert abs(starved["gpu_data_wait_fraction"] - starved["data_wait_fraction"]) < 0.1
