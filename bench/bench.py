@@ -79,6 +79,7 @@ DECODES = {
     "gpu": ("gpudecode", ["data.decode=gpu"]),
     "cpu": ("classic", ["data.decode=cpu"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
+    "split": ("split", ["data.decode=split"]),
 }
 
 
@@ -87,7 +88,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     the GPU (`gpu`) and the DataLoader with each --workers count (`classic<N>`). With --decode: images read
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode, the training
-    process cropping on the GPU (`cpudecode<N>`); shard tags start with `shards-`."""
+    process cropping on the GPU (`cpudecode<N>`), or shared between N CPU workers and 3 that decode on the GPU
+    (`split<N>`, data.gpu_share of each batch on the GPU); shard tags start with `shards-`."""
     workers = [int(w) for w in args.workers.split(",")]
     if not args.decode:
         return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + [
@@ -622,8 +624,9 @@ def main() -> int:
     )
     p.add_argument(
         "--decode",
-        help="compare images read from disk instead: gpu, cpu (the workers crop too) and/or cpudecode (the "
-        "workers only decode, the GPU crops), e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: "
+        help="compare images read from disk instead: gpu, cpu (the workers crop too), cpudecode (the workers only "
+        "decode, the GPU crops) and/or split (CPU workers and GPU-decoding workers share each batch: "
+        "--override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: "
         "the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
@@ -643,7 +646,7 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
     if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODES)):
-        p.error("--decode takes gpu, cpu and/or cpudecode (e.g. gpu,cpu) and needs --data-root and/or --shards")
+        p.error("--decode takes gpu, cpu, cpudecode and/or split (e.g. gpu,cpu) and needs --data-root and/or --shards")
     folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
     out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
 

@@ -81,7 +81,8 @@ OWN_KEYS = {
     "image_size": (lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
     "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
     # images read from disk (imagefolder beyond max_memory_gb, shards)
-    "decode": (lambda v: v in ("auto", "gpu", "cpu"), "auto, gpu or cpu"),
+    "decode": (lambda v: v in ("auto", "gpu", "cpu", "split"), "auto, gpu, cpu or split"),
+    "gpu_share": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (the share of each batch)"),
     "crop": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
     "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
@@ -145,10 +146,10 @@ def check_data_config(cfg: DictConfig) -> None:
     for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
         if key in cfg and not ok(cfg[key]):
             raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
-    if cfg.get("decode") == "gpu" and cfg.get("crop") == "workers":
+    if cfg.get("decode") in ("gpu", "split") and cfg.get("crop") == "workers":
         raise ConfigError(
-            "data.crop=workers needs data.decode=cpu: images decoded on the GPU are cropped by the training "
-            "process; use data.crop=device (or auto)"
+            f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={cfg.decode}) are "
+            "cropped by the training process; use data.crop=device (or auto)"
         )
 
 

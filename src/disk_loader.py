@@ -2,7 +2,8 @@
 workers that read their batch's files and decode them: on the GPU (data.decode=gpu: nvjpeg, each worker in a CUDA
 context of its own; the training process crops them) or on their CPUs (data.decode=cpu: the workers crop too, or
 with data.crop=device the training process does). Either way uint8 reaches the training process, which normalizes
-on its device."""
+on its device. data.decode=split shares each batch between both: CPU workers decode most of it, and a few
+GPU-decoding workers the share data.gpu_share, for hosts whose CPUs cannot feed their GPUs alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from src.augment import DiskCrops, to_device
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.loaders import ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
+from src.loaders import (
+    AUTO_GPU_DECODING_WORKERS,
+    ClassicLoader,
+    _Batch,
+    _EpochDraws,
+    _one_line_errors,
+    _Requests,
+    _Transform,
+)
+from src.signals import data_workers_started
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +34,13 @@ log = logging.getLogger(__name__)
 # after one piece, not after one worker has decoded a whole batch (256 ResNet-50 images: ~0.5 s of an idle GPU per
 # pass on an H100 host). The floor keeps a batch's fetches few: each is a queue hop and a pinned copy here.
 MIN_PIECE = 32
+
+
+def gpu_decoded(ids: torch.Tensor, share: float) -> torch.Tensor:
+    """Which samples data.decode=split decodes on the GPU: those whose id hashes below `share`. The choice
+    depends on the sample alone (nvjpeg and the CPU decoder differ by a level or two), so every strategy, rank
+    count and resume decodes each image the same way."""
+    return (ids * 2654435761) % 2**32 < int(share * 2**32)
 
 
 def _read_or_skip(files: EncodedImages, ids: torch.Tensor, skip: bool, keep) -> tuple[list, list, list[str]]:
@@ -121,11 +138,13 @@ class DiskLoader(ClassicLoader):
         on_device: bool,
         crop_on_device: bool,
         num_workers: int,
+        gpu_share: float = 0.0,
     ):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.on_device, self.num_workers = device, on_device, num_workers
-        self.name = "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
+        self.gpu_share = gpu_share  # data.decode=split: CPU workers decode and this process crops (crop_on_device)
+        self.name = "split" if gpu_share else "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
         self.crops = crops = DiskCrops(
             data.image_size,
@@ -140,6 +159,11 @@ class DiskLoader(ClassicLoader):
         self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, not crop_on_device)
         gpu_decoding = on_device and device.type == "cuda"
         self.cuda_workers = gpu_decoding and self.num_workers > 0
+        if gpu_share:  # a second set of workers, decoding each batch's GPU share on the device
+            self.gpu_dataset = _DiskBatches(splits, crops, device, self.skip, crop_here=False)
+            self.gpu_requests = _Requests()
+            self.gpu_workers = AUTO_GPU_DECODING_WORKERS
+            self.cuda_gpu_workers = device.type == "cuda"
         if gpu_decoding and not self.num_workers:
             log.warning(
                 "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
@@ -151,13 +175,36 @@ class DiskLoader(ClassicLoader):
         self.skipped = 0
         self.held: collections.deque = collections.deque()  # workers' CUDA buffers still read by queued kernels
 
-    def _loader(self, split: str, requests: list) -> torch.utils.data.DataLoader:
-        """One DataLoader for every split, its workers kept alive between passes (persistent_workers)."""
-        self.requests.items = [(split, *request) for request in requests]
-        if "all" not in self.loaders:  # CUDA cannot start in a forked child
-            start = "spawn" if self.cuda_workers else "fork"
-            self.loaders["all"] = self._data_loader(self.dataset, self.requests, start)
-        return self.loaders["all"]
+    def _loader(self, split: str, requests: list, on_gpu: bool = False) -> torch.utils.data.DataLoader:
+        """One DataLoader for every split, its workers kept alive between passes (persistent_workers); with
+        data.decode=split (on_gpu) a second one, of GPU-decoding workers."""
+        key, sampler = ("gpu", self.gpu_requests) if on_gpu else ("all", self.requests)
+        sampler.items = [(split, *request) for request in requests]
+        if key not in self.loaders:  # CUDA cannot start in a forked child
+            if on_gpu:
+                start = "spawn" if self.cuda_gpu_workers else "fork"
+                self.loaders[key] = self._data_loader(self.gpu_dataset, sampler, start, self.gpu_workers)
+            else:
+                self.loaders[key] = self._data_loader(self.dataset, sampler, "spawn" if self.cuda_workers else "fork")
+        return self.loaders[key]
+
+    def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]):
+        """data.decode=split: each batch's GPU share (gpu_decoded) fetched from the GPU-decoding workers, the rest
+        in pieces from the CPU workers, and joined again in the batch's order. Otherwise ClassicLoader's."""
+        if not self.gpu_share:
+            yield from super()._batches(split, epoch, batches)
+            return
+        on_gpu = [gpu_decoded(ids, self.gpu_share) for ids in batches]
+        gpu_parts = [ids[mask] for ids, mask in zip(batches, on_gpu)]
+        cpu_parts = [ids[~mask] for ids, mask in zip(batches, on_gpu)]
+        cpu_pieces = [part.split(self._piece_size(len(part))) if len(part) else () for part in cpu_parts]
+        cpu = [(epoch, piece.numpy()) for pieces in cpu_pieces for piece in pieces]
+        gpu = [(epoch, part.numpy()) for part in gpu_parts if len(part)]
+        from_cpu = _one_line_errors(data_workers_started(self._loader(split, cpu)))
+        from_gpu = _one_line_errors(data_workers_started(self._loader(split, gpu, on_gpu=True)))
+        for ids, pieces, part in zip(batches, cpu_pieces, gpu_parts):
+            fetched = [next(from_cpu) for _ in pieces] + ([next(from_gpu)] if len(part) else [])
+            yield self._finish(self._join(fetched), split, epoch, order=ids)
 
     def _piece_size(self, n: int) -> int:
         """CPU decoding: a batch spread over the workers, MIN_PIECE images or more each. GPU decoding keeps whole
@@ -176,28 +223,39 @@ class DiskLoader(ClassicLoader):
         if len(pieces) == 1:
             return pieces[0]._replace(skipped=skipped)
         shapes = None if pieces[0].shapes is None else torch.cat([piece.shapes for piece in pieces])
+        x = torch.cat([to_device(piece.x, self.device) for piece in pieces])
+        for piece in pieces:
+            if piece.x.is_cuda:  # a GPU-decoding worker's memory, read by the queued copy (data.decode=split)
+                self._hold(piece.x)
         return _Batch(
-            torch.cat([to_device(piece.x, self.device) for piece in pieces]),
+            x,
             torch.cat([piece.y for piece in pieces]),
             ids=torch.cat([piece.ids for piece in pieces]),
             skipped=skipped,
             shapes=shapes,
         )
 
-    def _finish(self, batch: _Batch, split: str, epoch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A worker's uint8 batch -> the normalized float batch on the device."""
+    def _finish(
+        self, batch: _Batch, split: str, epoch: int | None, order: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A worker's uint8 batch -> the normalized float batch on the device, its images in the order of the
+        sample ids `order` where given (data.decode=split joins the CPU pieces first)."""
         for line in batch.skipped:
             self.skipped += 1
             log.warning("skipped: %s (data.skip_bad_images=true; %d skipped so far)", line, self.skipped)
-        x = batch.x if batch.x.device == self.device else to_device(batch.x, self.device)
+        x, ids, y = batch.x if batch.x.device == self.device else to_device(batch.x, self.device), batch.ids, batch.y
         if batch.shapes is not None:  # decoded, not yet cropped
             parts = x.split(batch.shapes.prod(1).tolist())
             images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
-            x, packed = self.crops(images, batch.ids, epoch), x
-            if self.on_device and batch.x.is_cuda:  # a worker's memory (CUDA IPC), not a copy of this process's
+            if order is not None:
+                position = {i: k for k, i in enumerate(order.tolist())}
+                ranked = sorted(range(len(ids)), key=lambda j: position[int(ids[j])])
+                images, ids, y = [images[j] for j in ranked], ids[ranked], y[ranked]
+            x, packed = self.crops(images, ids, epoch), x
+            if batch.x.is_cuda:  # maybe a worker's memory (CUDA IPC), read by the queued crops
                 self._hold(packed)
-        x = self.transform(x, self.draws(epoch, batch.ids) if split == "train" else None)
-        return x, to_device(batch.y, self.device)
+        x = self.transform(x, self.draws(epoch, ids) if split == "train" else None)
+        return x, to_device(y, self.device)
 
     def _hold(self, packed: torch.Tensor) -> None:
         """Keep a worker's buffer until the kernels queued on it are done: once this process lets it go, the

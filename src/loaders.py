@@ -279,10 +279,12 @@ class ClassicLoader:
             self.loaders[split] = self._data_loader(self.datasets[split], self.requests[split])
         return self.loaders[split]
 
-    def _data_loader(self, dataset, requests: _Requests, start: str = "fork") -> torch.utils.data.DataLoader:
-        """A DataLoader of self.num_workers persistent workers fetching whole micro-batches (`requests`).
-        Ranks are started with "spawn"; forked workers start in milliseconds and copy no data."""
-        workers = self.num_workers
+    def _data_loader(
+        self, dataset, requests: _Requests, start: str = "fork", workers: int | None = None
+    ) -> torch.utils.data.DataLoader:
+        """A DataLoader of `workers` (self.num_workers) persistent workers fetching whole micro-batches
+        (`requests`). Ranks are started with "spawn"; forked workers start in milliseconds and copy no data."""
+        workers = self.num_workers if workers is None else workers
         return torch.utils.data.DataLoader(
             dataset,
             batch_sampler=requests,
@@ -376,17 +378,29 @@ def cpus_of_this_process(local_processes: int) -> int:
     return mine
 
 
-def resolve_workers(value, device: torch.device, in_memory: bool, decode_on_device: bool, local_processes: int) -> int:
+def resolve_workers(
+    value, device: torch.device, in_memory: bool, decode_on_device: bool, local_processes: int, split: bool = False
+) -> int:
     """data.num_workers: an integer as given; auto: this process's CPUs but one (left to it), at most
     AUTO_CPU_WORKERS (AUTO_GPU_DECODING_WORKERS when the workers decode on the GPU); none for data in memory on a
-    CPU device, where workers would take the cores the training step runs on."""
+    CPU device, where workers would take the cores the training step runs on. split (data.decode=split): the CPU
+    workers, beside AUTO_GPU_DECODING_WORKERS that decode on the GPU and take CPUs too."""
     if value != "auto":
         return value
     if in_memory and device.type == "cpu":
         return 0
     cpus = cpus_of_this_process(local_processes)
-    workers = max(0, min(cpus - 1, AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS))
-    log.info("data.num_workers=auto: %d DataLoader workers (%d CPUs for this process, one kept for it)", workers, cpus)
+    beside = AUTO_GPU_DECODING_WORKERS if split else 0
+    workers = max(
+        1 if split else 0, min(cpus - 1 - beside, AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS)
+    )
+    also = f" and {beside} decoding on the GPU" if split else ""
+    log.info(
+        "data.num_workers=auto: %d DataLoader workers%s (%d CPUs for this process, one kept for it)",
+        workers,
+        also,
+        cpus,
+    )
     return workers
 
 
@@ -419,8 +433,10 @@ def build_loader(
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
         # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
         decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda" and crop != "workers")
-        crop_on_device = decode_on_device or crop == "device"
-        workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes)
-        return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device, workers)
+        split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
+        crop_on_device = decode_on_device or crop == "device" or split
+        workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes, split)
+        share = cfg.get("gpu_share", 0.5) if split else 0.0
+        return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device, workers, share)
     workers = resolve_workers(cfg.get("num_workers", 0), device, data.in_memory, False, local_processes)
     return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode)

@@ -21,7 +21,7 @@ from src.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_param
 from src.config import ConfigError
 from src.datasets import load_data
 from src.decode import decode_cpu, gpu_decodable
-from src.disk_loader import DiskLoader
+from src.disk_loader import DiskLoader, gpu_decoded
 from src.loaders import build_loader, cpus_of_this_process, plan_epoch, resolve_workers
 from src.trainer import train
 from tests.conftest import make_cfg
@@ -88,7 +88,7 @@ def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU, 
     with_decode = cfg.data.copy()
     with_decode.decode, with_decode.crop = decode, crop
     loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
-    name = "gpudecode" if decode == "gpu" else "cpudecode" if crop == "device" else "classic"
+    name = {"gpu": "gpudecode", "split": "split"}.get(decode, "cpudecode" if crop == "device" else "classic")
     assert isinstance(loader, DiskLoader) and loader.name == name
     try:
         if eval_split:
@@ -347,11 +347,13 @@ def test_auto_workers_are_this_process_cpus_but_one(one_cpu):
     assert resolve_workers(5, cpu, False, False, 1) == 5  # a number is kept
     assert resolve_workers("auto", cpu, False, False, 1) == min(n - 1, 16)  # CPU decoding
     assert resolve_workers("auto", cuda, False, True, 1) == min(n - 1, 3)  # GPU decoding: each holds a CUDA context
+    assert resolve_workers("auto", cuda, False, False, 1, split=True) == max(1, min(n - 4, 16))  # 3 decode on GPU
     assert resolve_workers("auto", cpu, True, False, 1) == 0  # in memory on a CPU: the step needs those cores
     assert resolve_workers("auto", cuda, True, False, 2) == max(0, min(max(1, n // 2) - 1, 16))
     os.sched_setaffinity(0, {0})  # bound to one CPU (e.g. srun --cpus-per-task=1): nothing to spare
     assert cpus_of_this_process(1) == cpus_of_this_process(4) == 1
     assert resolve_workers("auto", cpu, False, False, 4) == 0
+    assert resolve_workers("auto", cuda, False, False, 1, split=True) == 1  # split needs a CPU worker
 
 
 def test_auto_workers_train_like_any_count_and_are_recorded(tmp_path, caplog):
@@ -481,10 +483,18 @@ def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path)
         loader.close()
 
 
-def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path):
+@pytest.mark.parametrize("decode", ["gpu", "split"])
+def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path, decode):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
-        disk_data(tmp_path, tmp_path / "tree", "data.decode=gpu", "data.crop=workers")
+        disk_data(tmp_path, tmp_path / "tree", f"data.decode={decode}", "data.crop=workers")
+
+
+@pytest.mark.parametrize("share", [0, 1.5, "half"])
+def test_a_gpu_share_outside_0_to_1_is_one_line(tmp_path, share):
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    with pytest.raises(ConfigError, match=r"^data.gpu_share must be a number in \(0, 1\]"):
+        disk_data(tmp_path, tmp_path / "tree", "data.decode=split", f"data.gpu_share={share}")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -534,6 +544,45 @@ def test_device_decoding_workers_start_with_spawn_and_give_the_same_batches(tmp_
         loader.close()
     assert len(spawned) == len(here) == len(steps) and len(test) == 1
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(spawned, here))
+
+
+@pytest.mark.parametrize("spawn", [False, True])
+def test_split_decoding_shares_each_batch_and_gives_the_batches_of_cpu_decoding(tmp_path, spawn):
+    """data.decode=split: the GPU-decoding workers get exactly each batch's gpu_decoded ids, the CPU workers the
+    rest in pieces; joined in the batch's order, the batches equal those of CPU decoding with the crops on the
+    device (on the CPU both decoders are libjpeg), for training and evaluation, with PNG and grayscale files among
+    them. spawn: the GPU-decoding workers started as on CUDA."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png", "gray"), per_class=(30, 10))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=split", "data.gpu_share=0.4")
+    steps = plan_epoch(len(data.train), 64, 1, 0, 1, seed=7, epoch=2)
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    loader.cuda_gpu_workers = spawn
+    try:
+        split = [(b.x, b.y) for b in loader.train_batches(steps, 2)]
+        asked = [torch.from_numpy(request[2]) for request in loader.gpu_requests.items]
+        evals = list(loader.eval_batches("test", torch.arange(len(data.test)), 16))
+        start = loader.loaders["gpu"].multiprocessing_context.get_start_method()
+    finally:
+        loader.close()
+    assert loader.name == "split" and start == ("spawn" if spawn else "fork")
+    wanted = [ids[gpu_decoded(ids, 0.4)] for step in steps for ids in step.micro]
+    assert len(asked) == len(wanted) and all(torch.equal(a, b) for a, b in zip(asked, wanted))
+    assert 0 < sum(map(len, asked)) < len(steps) * 64  # both kinds of worker had work
+    cpu = batches(data, cfg, steps, 2, "cpu", crop="device")
+    cpu_evals = batches(data, cfg, None, None, "cpu", eval_split="test", crop="device")
+    for a, b in zip(split, cpu, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for k in (0, 1):  # evaluation batches of 16 here, of 4 there
+        assert torch.equal(torch.cat([b[k] for b in evals]), torch.cat([b[k] for b in cpu_evals]))
+
+
+def test_split_decoding_chooses_by_sample_id_alone():
+    ids = torch.arange(20_000)
+    mask = gpu_decoded(ids, 0.3)
+    assert abs(mask.float().mean().item() - 0.3) < 0.01
+    shuffled = ids[torch.randperm(len(ids))]
+    assert torch.equal(gpu_decoded(shuffled, 0.3), mask[shuffled])  # whatever batch or rank the id is in
+    assert gpu_decoded(ids, 1.0).all()
 
 
 # --- the same batches for any world size and after a resume ---------------------------------------------------
@@ -602,6 +651,31 @@ def test_cpu_decoding_with_the_crops_on_cuda_matches_cropping_workers(tmp_path):
         assert x.is_cuda and torch.equal(y.cpu(), ref_y)
         levels = ((x.cpu() - ref) * std * 255).abs()  # the same crops: rounding (TF32 matmuls) moves a few pixels
         assert levels.mean() < 0.5 and levels.max() < 3.01  # by a level or two; another crop: ~50 levels
+
+
+@pytest.mark.gpu
+def test_split_decoding_on_cuda_gives_each_sample_as_its_decoder_does(tmp_path):
+    """data.decode=split on CUDA: the samples gpu_decoded chooses come as GPU decoding gives them (nvjpeg in
+    spawned workers), the others as CPU decoding with the crops on the device does; only float rounding differs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(16, 4), smooth=True)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.gpu_share=0.5")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=2)
+    cuda = torch.device("cuda")
+    split = batches(data, cfg, steps, 2, "split", device=cuda)
+    gpu = batches(data, cfg, steps, 2, "gpu", device=cuda)
+    cpu = batches(data, cfg, steps, 2, "cpu", device=cuda, crop="device")
+    std = torch.tensor(data.std, device=cuda).view(1, 3, 1, 1)
+    assert len(split) == len(gpu) == len(cpu) == len(steps)
+    chosen = 0
+    for step, (x, y), g, c in zip(steps, split, gpu, cpu):
+        on_gpu = gpu_decoded(step.micro[0], 0.5).to(cuda)
+        ref = torch.where(on_gpu.view(-1, 1, 1, 1), g[0], c[0])
+        levels = ((x - ref) * std * 255).abs()
+        assert torch.equal(y, c[1]) and levels.mean() < 0.5 and levels.max() < 3.01
+        chosen += int(on_gpu.sum())
+    assert 0 < chosen < len(steps) * 8
 
 
 @pytest.mark.gpu
