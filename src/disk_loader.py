@@ -183,7 +183,8 @@ class DiskLoader(ClassicLoader):
         if key not in self.loaders:  # CUDA cannot start in a forked child
             if on_gpu:
                 start = "spawn" if self.cuda_gpu_workers else "fork"
-                self.loaders[key] = self._data_loader(self.gpu_dataset, sampler, start, self.gpu_workers)
+                # their batches are already on the GPU: nothing to pin
+                self.loaders[key] = self._data_loader(self.gpu_dataset, sampler, start, self.gpu_workers, pin=False)
             else:
                 self.loaders[key] = self._data_loader(self.dataset, sampler, "spawn" if self.cuda_workers else "fork")
         return self.loaders[key]

@@ -280,17 +280,18 @@ class ClassicLoader:
         return self.loaders[split]
 
     def _data_loader(
-        self, dataset, requests: _Requests, start: str = "fork", workers: int | None = None
+        self, dataset, requests: _Requests, start: str = "fork", workers: int | None = None, pin: bool | None = None
     ) -> torch.utils.data.DataLoader:
         """A DataLoader of `workers` (self.num_workers) persistent workers fetching whole micro-batches
-        (`requests`). Ranks are started with "spawn"; forked workers start in milliseconds and copy no data."""
+        (`requests`), pinning them where `pin` (self.pin). Ranks are started with "spawn"; forked workers start in
+        milliseconds and copy no data."""
         workers = self.num_workers if workers is None else workers
         return torch.utils.data.DataLoader(
             dataset,
             batch_sampler=requests,
             collate_fn=_first,
             num_workers=workers,
-            pin_memory=self.pin,
+            pin_memory=self.pin if pin is None else pin,
             prefetch_factor=4 if workers else None,
             persistent_workers=workers > 0,
             multiprocessing_context=start if workers else None,
