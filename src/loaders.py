@@ -130,6 +130,7 @@ class DeviceLoader:
 
     name = "gpu"
     num_workers = 0  # no worker processes: every loader says how many it runs (hparams)
+    gpu_share = 0.0  # and which share of each batch GPU-decoding workers decode beside CPU ones (data.decode=split)
 
     def __init__(
         self,
@@ -249,6 +250,7 @@ class ClassicLoader:
     """torch DataLoader with worker processes, pinned memory and prefetching."""
 
     name = "classic"
+    gpu_share = 0.0  # DiskLoader's data.decode=split sets it
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) ->
         "lr": cfg.optim.lr,
         "loader": loader.name,
         "num_workers": loader.num_workers,  # data.num_workers as resolved (auto: from the CPUs)
+        "gpu_share": loader.gpu_share,  # data.decode=split's share of each batch decoded on the GPU, else 0
         "compile": t.compile,
         "channels_last": t.channels_last,
         "threads": torch.get_num_threads(),

@@ -24,10 +24,11 @@ DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synth
 
 # The data config of every option and experiment, recorded from the YAMLs before the shared keys moved to
 # conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
-# the keys of images read from disk (issue 16: GPU decoding, where crops run, random resized crop ranges,
-# skipping bad images).
+# the keys of images read from disk (issue 16: GPU decoding, the GPU's share with decode=split, where crops run,
+# random resized crop ranges, skipping bad images).
 ON_DISK = {
     "decode": "auto",
+    "gpu_share": 0.5,
     "crop": "auto",
     "rrc_scale": [0.08, 1.0],
     "rrc_ratio": [0.75, 1.3333333333333333],
@@ -434,7 +435,7 @@ def test_a_split_too_small_for_every_class_names_the_fractions_that_work():
             r"data._target_=src.datasets.no_such_loader cannot be imported as a function \(Are you sure",
         ),
         ("data._target_=tests.test_data.empty_train", r"the train split of data=digits is empty"),
-        ("+data.decode=nvjpeg", r"data.decode must be auto, gpu or cpu, got 'nvjpeg'"),
+        ("+data.decode=nvjpeg", r"data.decode must be auto, gpu, cpu or split, got 'nvjpeg'"),
         (
             "+data.rrc_scale=[0.5,0.1]",
             r"data.rrc_scale must be \[low, high\] with 0 < low <= high <= 1 .*got \[0.5, 0.1\]",

@@ -6,6 +6,7 @@ where the "device" decoder is torchvision's CPU decoder."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 from pathlib import Path
@@ -574,6 +575,34 @@ def test_split_decoding_shares_each_batch_and_gives_the_batches_of_cpu_decoding(
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     for k in (0, 1):  # evaluation batches of 16 here, of 4 there
         assert torch.equal(torch.cat([b[k] for b in evals]), torch.cat([b[k] for b in cpu_evals]))
+
+
+def test_a_split_run_trains_like_cpu_decoding_and_records_its_share(tmp_path):
+    """train() with data.decode=split on the CPU: the same numbers as CPU decoding with the crops on the device,
+    and metrics.json's hparams say which loader and which share (0 for the other loaders)."""
+    write_tree(tmp_path / "tree", per_class=(12, 4))
+    runs = {}
+    for name, decode in (("split", ["data.decode=split", "data.gpu_share=0.4"]), ("cpu", ["data.decode=cpu"])):
+        cfg = make_cfg(
+            tmp_path / name,
+            "data=imagefolder",
+            f"data.root={tmp_path / 'tree'}",
+            "data.image_size=16",
+            "data.augment=random_resized_crop",
+            "data.num_workers=1",
+            "data.crop=device",
+            "data.batch_size=8",
+            "trainer.max_epochs=2",
+            *decode,
+        )
+        final = train(cfg)
+        runs[name] = final, json.loads((tmp_path / name / "run" / "metrics.json").read_text())
+    assert runs["split"][0]["test_loss"] == runs["cpu"][0]["test_loss"]
+    losses = [[e["train_loss"] for e in runs[name][1]["epochs"]] for name in ("split", "cpu")]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    runs = {name: (final, metrics["hparams"]) for name, (final, metrics) in runs.items()}
+    assert (runs["split"][1]["loader"], runs["split"][1]["gpu_share"]) == ("split", 0.4)
+    assert (runs["cpu"][1]["loader"], runs["cpu"][1]["gpu_share"]) == ("cpudecode", 0.0)
 
 
 def test_split_decoding_chooses_by_sample_id_alone():
