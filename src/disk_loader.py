@@ -249,8 +249,8 @@ class DiskLoader(ClassicLoader):
             parts = x.split(batch.shapes.prod(1).tolist())
             images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
             if order is not None:
-                position = {i: k for k, i in enumerate(order.tolist())}
-                ranked = sorted(range(len(ids)), key=lambda j: position[int(ids[j])])
+                position, got = {i: k for k, i in enumerate(order.tolist())}, ids.tolist()
+                ranked = sorted(range(len(got)), key=lambda j: position[got[j]])
                 images, ids, y = [images[j] for j in ranked], ids[ranked], y[ranked]
             x, packed = self.crops(images, ids, epoch), x
             if batch.x.is_cuda:  # maybe a worker's memory (CUDA IPC), read by the queued crops
