@@ -516,7 +516,7 @@ def child_loader(spec: dict) -> dict:
     procs = [ctx.Process(target=_one_of_loaders, args=(spec, i, start, results)) for i in range(spec["gpus"])]
     for proc in procs:
         proc.start()
-    each = [results.get() for _ in procs]
+    each = _answers(procs, results, start)
     for proc in procs:
         proc.join()
     failed = [r for r in each if "error" in r]
@@ -531,6 +531,29 @@ def child_loader(spec: dict) -> dict:
         "pass_start_sec": max(r["pass_start_sec"] for r in each),
         "per_gpu_images_per_sec": [r["images_per_sec"] for r in each],
     }
+
+
+def _answers(procs: list, results, start) -> list[dict]:
+    """Each loader process's answer. One killed outright (e.g. by the out-of-memory killer) never answers: say so
+    at once, stopping the others, instead of waiting for the run's --timeout."""
+    import queue
+
+    each: list[dict] = []
+    while len(each) < len(procs):
+        try:
+            each.append(results.get(timeout=1.0))
+        except queue.Empty:
+            answered = {r["rank"] for r in each}
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in answered]
+            if dead:
+                start.abort()
+                for proc in procs:
+                    proc.kill()
+                rank, code = dead[0]
+                raise SystemExit(
+                    f"loader {rank} of {len(procs)}: its process died (exit code {code}) before answering"
+                ) from None
+    return each
 
 
 def _one_of_loaders(spec: dict, rank: int, start, results) -> None:

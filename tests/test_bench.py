@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,6 +250,57 @@ def test_loaders_at_once_sum_what_each_gpu_gets(tmp_path):
     failed = json.loads(out.read_text())["runs"]["loader2-classic1"]
     assert proc.returncode == 1 and not failed["ok"], proc.stdout[-2000:]
     assert "loader 0 of 2: ConfigError" in failed["error"] or "loader 1 of 2: ConfigError" in failed["error"]
+
+
+def _children(pid: int, spawned: bool = False) -> list[int]:
+    """A process's children (Linux /proc); spawned: only those started by multiprocessing's "spawn"."""
+    try:
+        kids = [
+            int(c)
+            for t in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()
+        ]
+        return [k for k in kids if not spawned or b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    except OSError:  # gone meanwhile
+        return []
+
+
+def test_a_loader_process_killed_outright_fails_the_run_at_once(tmp_path):
+    """loaderN-*: a loader process SIGKILLed (as by the out-of-memory killer) sends no answer; the run says which
+    one died, at once, instead of waiting for --timeout."""
+    from tests.test_decode import write_tree
+
+    write_tree(tmp_path / "tree", per_class=(32, 4))
+    out = tmp_path / "b.json"
+    args = ("--smoke", "--decode", "cpu", "--workers", "1", "--gpus", "2", "--image-size", "16", "--batch", "4")
+    more = ("--data-root", str(tmp_path / "tree"), "--loader-steps", "100000", "--only", "loader2-*", "--out", str(out))
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), *args, *more, "--timeout", "300"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its process group: killed whole if the test fails
+    )
+    try:
+        deadline, loader = time.monotonic() + 120, None
+        while loader is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            for child in _children(proc.pid):  # bench.py --one: the loaders are its spawned processes
+                spawned = _children(child, spawned=True)
+                loader = spawned[-1] if len(spawned) == 2 else None
+        assert loader is not None, "no loader processes seen"
+        time.sleep(2)  # past their start
+        os.kill(loader, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        assert time.monotonic() - killed < 60  # not the 300 s --timeout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    failed = json.loads(out.read_text())["runs"]["loader2-classic1"]
+    assert proc.returncode == 1 and not failed["ok"], output[-2000:]
+    assert "its process died (exit code -9) before answering" in failed["error"]
 
 
 @pytest.mark.parametrize("model", ["resnet50", "vit_b16", "resnet18"])
