@@ -393,10 +393,9 @@ def resolve_workers(
     if in_memory and device.type == "cpu":
         return 0
     cpus = cpus_of_this_process(local_processes)
-    beside = AUTO_GPU_DECODING_WORKERS if split else 0
-    workers = max(
-        1 if split else 0, min(cpus - 1 - beside, AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS)
-    )
+    beside = AUTO_GPU_DECODING_WORKERS if split else 0  # they take CPUs too (file reads, nvjpeg's host stage)
+    cap = AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS
+    workers = max(1 if split else 0, min(cpus - 1 - beside, cap))
     also = f" and {beside} decoding on the GPU" if split else ""
     log.info(
         "data.num_workers=auto: %d DataLoader workers%s (%d CPUs for this process, one kept for it)",
