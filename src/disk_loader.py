@@ -16,16 +16,7 @@ from src.augment import DiskCrops, to_device
 from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.loaders import (
-    AUTO_GPU_DECODING_WORKERS,
-    ClassicLoader,
-    _Batch,
-    _EpochDraws,
-    _one_line_errors,
-    _Requests,
-    _Transform,
-)
-from src.signals import data_workers_started
+from src.loaders import AUTO_GPU_DECODING_WORKERS, ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +190,8 @@ class DiskLoader(ClassicLoader):
         gpu_parts = [ids[mask] for ids, mask in zip(batches, on_gpu)]
         cpu_parts = [ids[~mask] for ids, mask in zip(batches, on_gpu)]
         cpu_pieces = [part.split(self._piece_size(len(part))) if len(part) else () for part in cpu_parts]
-        cpu = [(epoch, piece.numpy()) for pieces in cpu_pieces for piece in pieces]
-        gpu = [(epoch, part.numpy()) for part in gpu_parts if len(part)]
-        from_cpu = _one_line_errors(data_workers_started(self._loader(split, cpu)))
-        from_gpu = _one_line_errors(data_workers_started(self._loader(split, gpu, on_gpu=True)))
+        from_cpu = self._fetch(split, epoch, [piece for pieces in cpu_pieces for piece in pieces])
+        from_gpu = self._fetch(split, epoch, [part for part in gpu_parts if len(part)], on_gpu=True)
         for ids, pieces, part in zip(batches, cpu_pieces, gpu_parts):
             fetched = [next(from_cpu) for _ in pieces] + ([next(from_gpu)] if len(part) else [])
             yield self._finish(self._join(fetched), split, epoch, order=ids)

@@ -328,12 +328,17 @@ class ClassicLoader:
     def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:
         """The finished (x, y) of each batch of sample ids, fetched in pieces of _piece_size and joined again."""
         pieces = [ids.split(max(1, self._piece_size(len(ids)))) for ids in batches]
-        # ids go to the workers as numpy arrays, pickled by value: a tensor would cross as a file descriptor, one
-        # socket handshake with this process per piece (and a worker killed during one printed a traceback here)
-        requests = [(epoch, piece.numpy()) for batch in pieces for piece in batch]
-        fetched = _one_line_errors(data_workers_started(self._loader(split, requests)))
+        fetched = self._fetch(split, epoch, [piece for batch in pieces for piece in batch])
         for batch in pieces:
             yield self._finish(self._join([next(fetched) for _ in batch]), split, epoch)
+
+    def _fetch(self, split: str, epoch: int | None, pieces: list[torch.Tensor], **which) -> Iterator[_Batch]:
+        """What the workers (of self._loader(split, ..., **which)) make of each piece of sample ids, in order; a bad
+        input found in a worker comes out as its one line."""
+        # ids go to the workers as numpy arrays, pickled by value: a tensor would cross as a file descriptor, one
+        # socket handshake with this process per piece (and a worker killed during one printed a traceback here)
+        requests = [(epoch, piece.numpy()) for piece in pieces]
+        return _one_line_errors(data_workers_started(self._loader(split, requests, **which)))
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         batches = self._batches("train", epoch, [ids for step in steps for ids in step.micro])
