@@ -366,11 +366,12 @@ def _one_line_errors(loader) -> Iterator:
         raise died from exc
 
 
-def dead_workers(loader, grace: float = 2.0) -> RuntimeError | None:
+def dead_workers(fetching, grace: float = 2.0) -> RuntimeError | None:
     """A batch crosses from a worker as a file descriptor, fetched over a socket from that worker: when the worker
     is killed during the handover, the socket error reaches this process before the worker is seen to be dead.
-    Wait up to `grace` s for that, and say it in torch's words (what src/trainer.py reports as a dead worker)."""
-    workers = getattr(getattr(loader, "_iterator", None), "_workers", [])
+    Wait up to `grace` s for that, and say it in torch's words (what src/trainer.py reports as a dead worker).
+    `fetching`: the DataLoader's iterator, as _one_line_errors holds it."""
+    workers = getattr(fetching, "_workers", [])
     deadline = time.monotonic() + grace
     while not (dead := [w.pid for w in workers if not w.is_alive()]) and time.monotonic() < deadline:
         time.sleep(0.05)

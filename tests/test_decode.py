@@ -472,11 +472,11 @@ def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path)
     try:
         batches = loader.train_batches(plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0), 0)
         next(batches)
-        data_loader = loader.loaders["all"]
-        assert dead_workers(data_loader, grace=0.2) is None
-        victim = data_loader._iterator._workers[1].pid
+        fetching = loader.loaders["all"]._iterator  # what _one_line_errors iterates
+        assert dead_workers(fetching, grace=0.2) is None
+        victim = fetching._workers[1].pid
         os.kill(victim, signal.SIGKILL)  # its death is seen within the grace, as after a reset socket
-        died = dead_workers(data_loader)
+        died = dead_workers(fetching)
         assert (
             isinstance(died, RuntimeError) and str(died) == f"DataLoader worker (pid(s) {victim}) exited unexpectedly"
         )
