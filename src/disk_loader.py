@@ -119,6 +119,8 @@ class DiskLoader(ClassicLoader):
     this process crops on its device (data.crop=device: "cpudecode"). `crop_on_device` is true whenever this
     process crops (always with GPU decoding). Either way uint8 reaches the device, which normalizes."""
 
+    from_disk = True
+
     def __init__(
         self,
         data: DataBundle,

@@ -129,6 +129,7 @@ class DeviceLoader:
     """The whole dataset lives on the device as uint8; augmentation runs there, batched."""
 
     name = "gpu"
+    from_disk = False  # the data lives on the device
     num_workers = 0  # no worker processes: every loader says how many it runs (hparams)
     gpu_share = 0.0  # and which share of each batch GPU-decoding workers decode beside CPU ones (data.decode=split)
 
@@ -270,6 +271,7 @@ class ClassicLoader:
             for k in ("train", "val", "test")
         }
         self.num_workers = num_workers
+        self.from_disk = not data.in_memory  # each batch read (and decoded) from files
         self.pin = device.type == "cuda"
         self.requests = {k: _Requests() for k in self.datasets}
         self.loaders: dict[str, torch.utils.data.DataLoader] = {}

@@ -101,6 +101,37 @@ def data_wait(m: dict) -> str:
     return f"{host} (GPU {100 * m['gpu_data_wait_fraction']:.0f}%)" if "gpu_data_wait_fraction" in m else host
 
 
+# When the GPU waits for data this long, the final line names a remedy. The thresholds are measured (ResNet-50 from
+# the 256-px shards, 2 x H200, bench/results/resnet50-split-loop_2xh200_2026-11-27.md): data.decode=split fed 2.1x
+# CPU decoding with 4 CPU workers per GPU; CPU decoding was the faster from 8 workers on.
+DATA_BOUND_GPU_WAIT = 0.2
+SPLIT_HELPS_BELOW_WORKERS = 6
+RECIPE = "README: 'Recipe: an ImageNet-style folder at GPU speed'"
+
+
+def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -> str | None:
+    """One line for a run whose GPU went without work, waiting for data, a fifth of the time or more (CUDA only:
+    gpu_data_wait_fraction); None otherwise. What to change depends on the loader and its CPU workers per process."""
+    wait = final.get("gpu_data_wait_fraction")
+    if wait is None or wait < DATA_BOUND_GPU_WAIT or loader not in ("classic", "cpudecode", "gpudecode", "split"):
+        return None  # the gpu loader's wait is its augmentation kernels; a loader of a user's own: no advice
+    more_cpus = "give each GPU more CPUs (data.num_workers; srun --cpus-per-task)"
+    smaller = "pack the images re-encoded smaller if they are not (python -m src.shards pack --max-side 256)"
+    if not from_disk:
+        fix = "data.loader=gpu keeps the data on the GPU and augments it there"
+    elif loader == "split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
+        fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
+    elif loader == "split":
+        fix = more_cpus
+    elif loader == "gpudecode":
+        fix = f"{smaller} and decode them on the CPU (data.decode=cpu) with a worker per CPU"
+    elif workers < SPLIT_HELPS_BELOW_WORKERS:
+        fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
+    else:
+        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}"
+    return f"the GPU waited for data {100 * wait:.0f}% of the time: {fix}; see the {RECIPE}"
+
+
 def log_final(final: dict) -> None:
     log.info(
         "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
@@ -184,6 +215,7 @@ class Reporter:
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
+        self.from_disk = getattr(loader, "from_disk", False)
         result = run_dir / ("metrics.json" if cfg.train else "eval.json")
         if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
             raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")
@@ -242,6 +274,9 @@ class Reporter:
             log.info("outputs: %s (eval.json)", self.run_dir)
             return
         log_final(final)
+        advice = data_bound_advice(final, self.hparams["loader"], self.hparams["num_workers"], self.from_disk)
+        if advice:
+            log.warning(advice)
         self.loggers.log_metrics(
             {f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")}, step=len(history)
         )

@@ -45,6 +45,33 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
     assert "(GPU" not in line
 
 
+@pytest.mark.parametrize(
+    "loader, workers, from_disk, wait, says",
+    [  # the rows of bench/results/resnet50-split-loop_2xh200_2026-11-27.md, and the loaders it did not measure
+        ("classic", 4, True, 0.68, "only 4 CPU workers per process decode: try data.decode=split"),
+        ("classic", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
+        ("cpudecode", 15, True, 0.30, "--max-side 256"),
+        ("split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
+        ("split", 4, True, 0.31, "give each GPU more CPUs"),
+        ("gpudecode", 3, True, 0.87, "decode them on the CPU (data.decode=cpu)"),
+        ("classic", 8, False, 0.40, "data.loader=gpu"),
+        ("classic", 15, True, 0.06, None),  # 0.95x the ceiling: nothing to change
+        ("gpu", 0, False, 0.50, None),  # the gpu loader's wait is its augmentation kernels
+        ("mine", 4, True, 0.50, None),  # a loader of the user's own: no advice
+    ],
+)
+def test_a_data_bound_gpu_run_ends_with_what_to_change(loader, workers, from_disk, wait, says):
+    from src.results import data_bound_advice
+
+    advice = data_bound_advice({"gpu_data_wait_fraction": wait}, loader, workers, from_disk)
+    if says is None:
+        assert advice is None
+    else:
+        assert advice.startswith(f"the GPU waited for data {100 * wait:.0f}% of the time: ") and says in advice
+        assert "\n" not in advice and advice.endswith("'Recipe: an ImageNet-style folder at GPU speed'")
+    assert data_bound_advice({"data_wait_fraction": 0.9}, loader, workers, from_disk) is None  # CPU: no GPU figure
+
+
 def _gpu_sleep(seconds: float) -> None:
     """Queue about `seconds` of GPU work: a spin kernel, its cycles per second measured on this GPU once two
     measurements agree (an idle GPU's clock ramps up: its first cycles can run several times slower)."""
