@@ -119,6 +119,8 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     smaller = "pack the images re-encoded smaller if they are not (python -m src.shards pack --max-side 256)"
     if not from_disk:
         fix = "data.loader=gpu keeps the data on the GPU and augments it there"
+    elif workers == 0:
+        fix = "data.num_workers=0 decodes in the training process; data.num_workers=auto starts a worker per CPU"
     elif loader == "split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
         fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
     elif loader == "split":

@@ -55,6 +55,8 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
         ("split", 4, True, 0.31, "give each GPU more CPUs"),
         ("gpudecode", 3, True, 0.87, "decode them on the CPU (data.decode=cpu)"),
         ("classic", 8, False, 0.40, "data.loader=gpu"),
+        ("classic", 0, True, 0.90, "data.num_workers=auto starts a worker per CPU"),
+        ("gpudecode", 0, True, 0.90, "data.num_workers=0 decodes in the training process"),
         ("classic", 15, True, 0.06, None),  # 0.95x the ceiling: nothing to change
         ("gpu", 0, False, 0.50, None),  # the gpu loader's wait is its augmentation kernels
         ("mine", 4, True, 0.50, None),  # a loader of the user's own: no advice
