@@ -114,7 +114,7 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     gpu_data_wait_fraction); None otherwise. What to change depends on the loader and its CPU workers per process."""
     wait = final.get("gpu_data_wait_fraction")
     if wait is None or wait < DATA_BOUND_GPU_WAIT or loader not in ("classic", "cpudecode", "gpudecode", "split"):
-        return None  # the gpu loader's wait is its augmentation kernels; a loader of a user's own: no advice
+        return None  # the gpu loader's wait is its augmentation kernels; a loader not named here: no advice
     more_cpus = "give each GPU more CPUs (data.num_workers; srun --cpus-per-task)"
     smaller = "pack the images re-encoded smaller if they are not (python -m src.shards pack --max-side 256)"
     if not from_disk:
@@ -217,7 +217,7 @@ class Reporter:
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
-        self.from_disk = getattr(loader, "from_disk", False)
+        self.from_disk = loader.from_disk  # every loader says it, as it says name and num_workers
         result = run_dir / ("metrics.json" if cfg.train else "eval.json")
         if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
             raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")

@@ -59,7 +59,7 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
         ("gpudecode", 0, True, 0.90, "data.num_workers=0 decodes in the training process"),
         ("classic", 15, True, 0.06, None),  # 0.95x the ceiling: nothing to change
         ("gpu", 0, False, 0.50, None),  # the gpu loader's wait is its augmentation kernels
-        ("mine", 4, True, 0.50, None),  # a loader of the user's own: no advice
+        ("mine", 4, True, 0.50, None),  # a loader it does not know: no advice
     ],
 )
 def test_a_data_bound_gpu_run_ends_with_what_to_change(loader, workers, from_disk, wait, says):
