@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # (bench/results/resnet50-shards256-pieces_4xh100_2026-11-27.md); GPU-decoding workers each hold a CUDA context,
 # and 3 fed an H100 best (bench/results/resnet50-gpudecode-workers_h100_2026-11-26.md)
 AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
+# workers yield a shared core to the training process: descheduled behind them, it leaves its GPU idle
+WORKER_NICENESS = 10
 
 
 @dataclass
@@ -299,7 +301,7 @@ class ClassicLoader:
             prefetch_factor=4 if workers else None,
             persistent_workers=workers > 0,
             multiprocessing_context=start if workers else None,
-            worker_init_fn=leave_stops_to_the_trainer if workers else None,
+            worker_init_fn=_start_worker if workers else None,
         )
 
     def close(self) -> None:
@@ -351,6 +353,12 @@ class ClassicLoader:
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
         yield from self._batches(split, None, list(ids.split(batch_size)))
+
+
+def _start_worker(worker_id: int) -> None:
+    """Each DataLoader worker runs below the training process's priority and leaves its stop signals to it."""
+    os.nice(WORKER_NICENESS)
+    leave_stops_to_the_trainer(worker_id)
 
 
 def _one_line_errors(loader) -> Iterator:

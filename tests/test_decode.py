@@ -456,6 +456,25 @@ def test_a_dead_worker_is_raised_by_the_next_fetch_not_wherever_the_process_is(t
         loader.close()
 
 
+def test_workers_run_below_the_training_process_priority(tmp_path):
+    """On a host whose cores are all busy with workers, the training process must still get a core at once to
+    feed its GPU: the workers run at a lower priority (a higher niceness) than the process that started them."""
+    import os
+
+    from src.loaders import WORKER_NICENESS
+
+    write_tree(tmp_path / "tree", per_class=(40, 2))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        next(loader.train_batches(plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0), 0))
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        workers = [os.getpriority(os.PRIO_PROCESS, w.pid) for w in loader.loaders["all"]._iterator._workers]
+        assert workers == [min(19, mine + WORKER_NICENESS)] * 2
+    finally:
+        loader.close()
+
+
 def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path):
     """A batch's file descriptor is fetched over a socket from its worker; a worker killed during that handover
     (1 in 8 runs of the killed-worker CLI test under load) raised ConnectionResetError with a traceback, before
