@@ -120,6 +120,7 @@ class DiskLoader(ClassicLoader):
     process crops (always with GPU decoding). Either way uint8 reaches the device, which normalizes."""
 
     from_disk = True
+    one_loader_for_all_splits = True
 
     def __init__(
         self,
@@ -165,6 +166,7 @@ class DiskLoader(ClassicLoader):
         self.pin = device.type == "cuda" and not on_device  # the device path's batches arrive on the device
         self.requests = _Requests()
         self.loaders = {}
+        self.ahead = None  # what prepare() sent the workers before the trainer asks for it
         self.skipped = 0
         self.held: collections.deque = collections.deque()  # workers' CUDA buffers still read by queued kernels
 
@@ -172,7 +174,7 @@ class DiskLoader(ClassicLoader):
         """One DataLoader for every split, its workers kept alive between passes (persistent_workers); with
         data.decode=split (on_gpu) a second one, of GPU-decoding workers."""
         key, sampler = ("gpu", self.gpu_requests) if on_gpu else ("all", self.requests)
-        sampler.items = [(split, *request) for request in requests]
+        sampler.items = requests
         if key not in self.loaders:  # CUDA cannot start in a forked child
             if on_gpu:
                 start = "spawn" if self.cuda_gpu_workers else "fork"
@@ -181,6 +183,15 @@ class DiskLoader(ClassicLoader):
             else:
                 self.loaders[key] = self._data_loader(self.dataset, sampler, "spawn" if self.cuda_workers else "fork")
         return self.loaders[key]
+
+    def _request(self, split: str, epoch: int | None, piece: torch.Tensor) -> tuple:
+        """One set of workers serves every split: each piece says its own."""
+        return split, *super()._request(split, epoch, piece)
+
+    def prepare(self, steps, epoch: int, evals=()) -> None:
+        """ClassicLoader's, but not with data.decode=split, whose batches come from two sets of workers."""
+        if not self.gpu_share:
+            super().prepare(steps, epoch, evals)
 
     def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]):
         """data.decode=split: each batch's GPU share (gpu_decoded) fetched from the GPU-decoding workers, the rest

@@ -216,11 +216,21 @@ class Trainer:
         self._last_plan = (epoch, steps[:limit] if limit else steps)
         return self._last_plan[1]
 
-    def evaluate(self, split: str) -> dict:
+    def eval_ids(self, split: str) -> torch.Tensor:
+        """This rank's sample ids of an evaluation of `split`."""
         ids = eval_shard(len(getattr(self.data, split)), self.layout.world_size, self.env.rank)
         if self.t.limit_eval_batches:
             ids = ids[: self.t.limit_eval_batches * self.cfg.data.eval_batch_size]
-        batches = self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size)
+        return ids
+
+    def epoch_evals(self) -> list[str]:
+        """The splits evaluated after each epoch: val, and test with trainer.test_every_epoch (a curve, never used
+        to pick weights); a split with no samples is left out."""
+        splits = ("val", "test") if self.t.test_every_epoch else ("val",)
+        return [split for split in splits if len(getattr(self.data, split))]
+
+    def evaluate(self, split: str) -> dict:
+        batches = self.loader.eval_batches(split, self.eval_ids(split), self.cfg.data.eval_batch_size)
         try:
             return evaluate(
                 self.strategy.eval_module(),
@@ -293,7 +303,8 @@ class Trainer:
                 if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
                     self._save_and_exit(stop, epoch, step, meter)
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
-            self.loader.prepare(self.plan(epoch + 1), epoch + 1)
+            evals = [(split, self.eval_ids(split), self.cfg.data.eval_batch_size) for split in self.epoch_evals()]
+            self.loader.prepare(self.plan(epoch + 1), epoch + 1, evals)
         row = meter.finish(sum(s.global_count for s in steps[first:]))
         return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
 
@@ -331,9 +342,8 @@ class Trainer:
                 except torch.OutOfMemoryError as exc:
                     raise OutOfMemory(self.out_of_memory(exc, training=True)) from None
                 row["train_sec_total"] = self.progress.train_seconds + row["epoch_sec"]  # for time-to-accuracy
-                for split in ("val", "test") if self.t.test_every_epoch else ("val",):
-                    if len(getattr(self.data, split)):  # test every epoch: a curve, never used to pick weights
-                        row.update({f"{split}_{k}": v for k, v in self.evaluate(split).items() if k != "count"})
+                for split in self.epoch_evals():
+                    row.update({f"{split}_{k}": v for k, v in self.evaluate(split).items() if k != "count"})
                 bad = [k for k in ("train_loss", "val_loss", "test_loss") if not math.isfinite(row.get(k, 0.0))]
                 if bad:  # NaN/inf weights or logits: every later number would be meaningless
                     raise Diverged(

@@ -475,6 +475,45 @@ def test_workers_run_below_the_training_process_priority(tmp_path):
         loader.close()
 
 
+def test_the_next_epoch_goes_to_the_workers_during_the_evaluation_and_gives_the_same_batches(tmp_path):
+    """prepare() sends the evaluation's pieces and then the next epoch's to the one set of workers, as one pass:
+    the epoch starts with batches made. Taken in that order, they equal a fresh loader's; an evaluation left half
+    taken, or an epoch other than the prepared one, falls back to a pass of its own and is still right."""
+    write_tree(tmp_path / "tree", per_class=(24, 20))  # 48 training images, 40 test ones
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
+    plans = {e: plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=e) for e in (0, 1, 2)}
+    test_ids, evals = torch.arange(len(data.test)), [("test", torch.arange(len(data.test)), 8)]
+
+    def xs(batches):
+        return [b.x if hasattr(b, "x") else b[0] for b in batches]
+
+    fresh = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        want = {e: xs(fresh.train_batches(plans[e], e)) for e in (1, 2)}
+        want_test = xs(fresh.eval_batches("test", test_ids, 8))
+    finally:
+        fresh.close()
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        xs(loader.train_batches(plans[0], 0))
+        loader.prepare(plans[1], 1, evals)
+        got_test = xs(loader.eval_batches("test", test_ids, 8))
+        # 5 test pieces; the workers were sent more before the epoch was asked for: its first pieces
+        assert loader.loaders["all"]._iterator._send_idx > len(want_test)
+        got = xs(loader.train_batches(plans[1], 1))
+        for a, b in [*zip(got_test, want_test), *zip(got, want[1])]:
+            assert torch.equal(a, b)
+        assert len(got_test) == 5 and len(got) == len(want[1]) == 6
+        loader.prepare(plans[1], 1, evals)
+        next(loader.eval_batches("test", test_ids, 8))  # half an evaluation: the order of the pass is lost
+        assert all(torch.equal(a, b) for a, b in zip(xs(loader.train_batches(plans[1], 1)), want[1]))
+        loader.prepare(plans[1], 1, evals)
+        xs(loader.eval_batches("test", test_ids, 8))
+        assert all(torch.equal(a, b) for a, b in zip(xs(loader.train_batches(plans[2], 2)), want[2]))
+    finally:
+        loader.close()
+
+
 def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path):
     """A batch's file descriptor is fetched over a socket from its worker; a worker killed during that handover
     (1 in 8 runs of the killed-worker CLI test under load) raised ConnectionResetError with a traceback, before

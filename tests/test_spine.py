@@ -407,6 +407,30 @@ def test_classic_loader_workers_are_gone_when_train_returns(cfg_factory):
     assert set(multiprocessing.active_children()) - before == set()
 
 
+def test_classic_loader_starts_the_next_epoch_during_the_evaluation(cfg_factory):
+    """In-memory data with workers: each split has workers of its own, so the next epoch's pass, started by
+    prepare(), outlives the evaluation between and gives the batches a fresh loader gives."""
+    from src.loaders import ClassicLoader, plan_epoch
+
+    data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
+    plans = {e: plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=e) for e in (0, 1)}
+    fresh = ClassicLoader(data, torch.device("cpu"), False, 2, seed=3)
+    try:
+        want = [b.x for b in fresh.train_batches(plans[1], 1)]
+    finally:
+        fresh.close()
+    loader = ClassicLoader(data, torch.device("cpu"), False, 2, seed=3)
+    try:
+        list(loader.train_batches(plans[0], 0))
+        loader.prepare(plans[1], 1, [("val", torch.arange(len(data.val)), 16)])
+        list(loader.eval_batches("val", torch.arange(len(data.val)), 16))
+        assert loader.ahead is not None and [s[0] for s in loader.ahead.segments] == ["train"]
+        got = [b.x for b in loader.train_batches(plans[1], 1)]
+        assert len(got) == len(want) > 1 and all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        loader.close()
+
+
 def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
     from src.loaders import plan_epoch
 
