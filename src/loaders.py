@@ -347,8 +347,8 @@ class ClassicLoader:
     def prepare(self, steps: list[Step], epoch: int, evals: Sequence[tuple[str, torch.Tensor, int]] = ()) -> None:
         """Send the workers now what the trainer takes next: the evaluations `evals` (split, sample ids, batch
         size) where the training's workers make them too, then the epoch `steps`. The trainer calls this once an
-        epoch's last step is queued, so the next epoch starts with batches made (on ddp x4 with 48-step epochs
-        the wait for the first one was 7 % of an epoch)."""
+        epoch's last step is queued, so the next epoch starts with batches made
+        (bench/results/resnet50-epoch-ahead_h100_2026-11-27.md)."""
         if not self.num_workers:
             return
         ahead = [(s, None, list(ids.split(size))) for s, ids, size in evals] if self.one_loader_for_all_splits else []
