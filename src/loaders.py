@@ -250,24 +250,32 @@ class _Requests:
         return len(self.items)
 
 
+def _epoch_batches(steps: list[Step]) -> list[torch.Tensor]:
+    """An epoch's batches of sample ids, in the order the loop takes them: each step's micro-batches."""
+    return [ids for step in steps for ids in step.micro]
+
+
+def _eval_batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    return list(ids.split(batch_size))
+
+
 class _Ahead:
-    """Pieces sent to the workers before the trainer asks for them, as one pass: segments (split, epoch, pieces
-    of each batch), taken in order. A segment asked for differently, or one left half taken, ends it."""
+    """Pieces sent to the workers before the trainer asks for them, as one pass: segments (split, epoch, batches
+    of sample ids), taken in order. A segment asked for differently, or one left half taken, ends it."""
 
     def __init__(self, loader_key: str, segments: list, fetched: Iterator):
         self.loader_key, self.segments, self.fetched, self.owed = loader_key, collections.deque(segments), fetched, 0
 
-    def take(self, split: str, epoch: int | None, pieces: list) -> Iterator | None:
+    def take(self, split: str, epoch: int | None, batches: list[torch.Tensor], pieces: int) -> Iterator | None:
+        """The `pieces` fetched pieces of these batches, if they are the next segment; else None."""
         if self.owed or not self.segments:
             return None
         want, when, sent = self.segments[0]
-        same = (want, when, len(sent)) == (split, epoch, len(pieces)) and all(
-            len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(sent, pieces)
-        )
+        same = (want, when, len(sent)) == (split, epoch, len(batches)) and all(map(torch.equal, sent, batches))
         if not same:
             return None
         self.segments.popleft()
-        self.owed = sum(len(batch) for batch in pieces)
+        self.owed = pieces
         return self._give()
 
     def _give(self) -> Iterator:
@@ -351,10 +359,14 @@ class ClassicLoader:
         (bench/results/resnet50-epoch-ahead_h100_2026-11-27.md)."""
         if not self.num_workers:
             return
-        ahead = [(s, None, list(ids.split(size))) for s, ids, size in evals] if self.one_loader_for_all_splits else []
-        ahead.append(("train", epoch, [ids for step in steps for ids in step.micro]))
-        segments = [(split, when, self._pieces(batches)) for split, when, batches in ahead]
-        requests = [self._request(s, when, p) for s, when, pieces in segments for batch in pieces for p in batch]
+        segments = [(s, None, _eval_batches(ids, size)) for s, ids, size in evals if self.one_loader_for_all_splits]
+        segments.append(("train", epoch, _epoch_batches(steps)))
+        requests = [
+            self._request(split, when, piece)
+            for split, when, batches in segments
+            for pieces in self._pieces(batches)
+            for piece in pieces
+        ]
         self.ahead = _Ahead(self._loader_key("train"), segments, self._pass("train", requests))
 
     def _loader_key(self, split: str) -> str:
@@ -381,7 +393,7 @@ class ClassicLoader:
         """The finished (x, y) of each batch of sample ids, fetched in pieces of _piece_size and joined again:
         from the pass `prepare` started where it holds them next."""
         pieces = self._pieces(batches)
-        fetched = self.ahead.take(split, epoch, pieces) if self.ahead else None
+        fetched = self.ahead.take(split, epoch, batches, sum(map(len, pieces))) if self.ahead else None
         if fetched is None:
             if self.ahead and self.ahead.loader_key == self._loader_key(split):
                 self.ahead = None  # the new pass below replaces it on the same workers
@@ -405,14 +417,14 @@ class ClassicLoader:
         return _one_line_errors(data_workers_started(self._loader(split, requests, **which)))
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
-        batches = self._batches("train", epoch, [ids for step in steps for ids in step.micro])
+        batches = self._batches("train", epoch, _epoch_batches(steps))
         for step in steps:
             for k in range(len(step.micro)):
                 x, y = next(batches)
                 yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
-        yield from self._batches(split, None, list(ids.split(batch_size)))
+        yield from self._batches(split, None, _eval_batches(ids, batch_size))
 
 
 def _start_worker(worker_id: int) -> None:

@@ -501,6 +501,7 @@ def test_the_next_epoch_goes_to_the_workers_during_the_evaluation_and_gives_the_
         # 5 test pieces; the workers were sent more before the epoch was asked for: its first pieces
         assert loader.loaders["all"]._iterator._send_idx > len(want_test)
         got = xs(loader.train_batches(plans[1], 1))
+        assert loader.ahead is not None and not loader.ahead.segments  # taken from the prepared pass, not replaced
         for a, b in [*zip(got_test, want_test), *zip(got, want[1])]:
             assert torch.equal(a, b)
         assert len(got_test) == 5 and len(got) == len(want[1]) == 6

@@ -426,6 +426,7 @@ def test_classic_loader_starts_the_next_epoch_during_the_evaluation(cfg_factory)
         list(loader.eval_batches("val", torch.arange(len(data.val)), 16))
         assert loader.ahead is not None and [s[0] for s in loader.ahead.segments] == ["train"]
         got = [b.x for b in loader.train_batches(plans[1], 1)]
+        assert loader.ahead is not None and not loader.ahead.segments  # taken from the prepared pass, not replaced
         assert len(got) == len(want) > 1 and all(torch.equal(a, b) for a, b in zip(got, want))
     finally:
         loader.close()
