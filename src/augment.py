@@ -288,8 +288,20 @@ class DiskCrops:
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
     def __call__(self, images: list[torch.Tensor], ids: torch.Tensor, epoch: int | None) -> torch.Tensor:
-        if epoch is not None and self.random:
-            heights, widths = ([image.shape[d] for image in images] for d in (1, 2))
-            boxes, flips = rrc_params(self.seed, epoch, ids.numpy(), heights, widths, self.scale, self.ratio)
-            return resized_crops(images, boxes, flips, self.size)
-        return resize_center_crops(images, self.short, self.size)
+        cut = self.regions(images, ids, epoch)
+        return self.resize(*cut) if cut else resize_center_crops(images, self.short, self.size)
+
+    def regions(self, images: list[torch.Tensor], ids: torch.Tensor, epoch: int | None) -> tuple | None:
+        """(each image cut to its random resized crop's box, as a view; whether each is mirrored): what `resize`
+        finishes. None where the crop is the centre's (evaluation, the other augmentations)."""
+        if epoch is None or not self.random:
+            return None
+        heights, widths = ([image.shape[d] for image in images] for d in (1, 2))
+        boxes, flips = rrc_params(self.seed, epoch, ids.numpy(), heights, widths, self.scale, self.ratio)
+        cut = [image[:, top : top + h, left : left + w] for image, (top, left, h, w) in zip(images, boxes.tolist())]
+        return cut, flips
+
+    def resize(self, regions: list[torch.Tensor], flips: np.ndarray) -> torch.Tensor:
+        """uint8 B x C x size: each region (`regions`) resized whole, mirrored where flips[k]."""
+        whole = np.array([(0, 0, region.shape[1], region.shape[2]) for region in regions], dtype=np.int64)
+        return resized_crops(regions, whole, np.asarray(flips, dtype=bool), self.size)

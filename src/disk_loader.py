@@ -84,11 +84,15 @@ class _DiskBatches(torch.utils.data.Dataset):
             return _Batch(torch.empty(0, dtype=torch.uint8), labels[ids], ids=ids, skipped=tuple(skipped))
         if self.crop_here:
             return _Batch(self.crops(images, ids, epoch), labels[ids], ids=ids, skipped=tuple(skipped))
-        packed = torch.cat([image.reshape(-1) for image in images])  # uncropped, back to back
+        # a training crop's region only, not the whole image: about the crop's bytes cross to the training process
+        cut = self.crops.regions(images, ids, epoch)
+        images, flips = cut if cut else (images, None)
+        packed = torch.cat([image.reshape(-1) for image in images])  # not yet resized, back to back
         if packed.is_cuda:  # the training process reads it as soon as it arrives
             torch.cuda.current_stream(packed.device).synchronize()
         shapes = torch.tensor([tuple(image.shape) for image in images])
-        return _Batch(packed, labels[ids], ids=ids, skipped=tuple(skipped), shapes=shapes)
+        flips = None if flips is None else torch.from_numpy(flips)
+        return _Batch(packed, labels[ids], ids=ids, skipped=tuple(skipped), shapes=shapes, flips=flips)
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
         if self.device.type == "cuda" and self.device.index is not None:
@@ -226,6 +230,7 @@ class DiskLoader(ClassicLoader):
         if len(pieces) == 1:
             return pieces[0]._replace(skipped=skipped)
         shapes = None if pieces[0].shapes is None else torch.cat([piece.shapes for piece in pieces])
+        flips = None if pieces[0].flips is None else torch.cat([piece.flips for piece in pieces])
         x = torch.cat([to_device(piece.x, self.device) for piece in pieces])
         for piece in pieces:
             if piece.x.is_cuda:  # a GPU-decoding worker's memory, read by the queued copy (data.decode=split)
@@ -236,6 +241,7 @@ class DiskLoader(ClassicLoader):
             ids=torch.cat([piece.ids for piece in pieces]),
             skipped=skipped,
             shapes=shapes,
+            flips=flips,
         )
 
     def _finish(
@@ -247,14 +253,16 @@ class DiskLoader(ClassicLoader):
             self.skipped += 1
             log.warning("skipped: %s (data.skip_bad_images=true; %d skipped so far)", line, self.skipped)
         x, ids, y = batch.x if batch.x.device == self.device else to_device(batch.x, self.device), batch.ids, batch.y
-        if batch.shapes is not None:  # decoded, not yet cropped
+        if batch.shapes is not None:  # decoded, not yet cropped (or cut to the training crops' regions)
             parts = x.split(batch.shapes.prod(1).tolist())
-            images = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())]
+            images, flips = [part.view(shape) for part, shape in zip(parts, batch.shapes.tolist())], batch.flips
             if order is not None:
                 position, got = {i: k for k, i in enumerate(order.tolist())}, ids.tolist()
                 ranked = sorted(range(len(got)), key=lambda j: position[got[j]])
                 images, ids, y = [images[j] for j in ranked], ids[ranked], y[ranked]
-            x, packed = self.crops(images, ids, epoch), x
+                flips = None if flips is None else flips[ranked]
+            cropped = self.crops(images, ids, epoch) if flips is None else self.crops.resize(images, flips.numpy())
+            x, packed = cropped, x
             if batch.x.is_cuda:  # maybe a worker's memory (CUDA IPC), read by the queued crops
                 self._hold(packed)
         x = self.transform(x, self.draws(epoch, ids) if split == "train" else None)

@@ -193,7 +193,8 @@ class DeviceLoader:
 class _Batch(NamedTuple):
     """What a worker ships: uint8 images (augmented as far as the worker goes) and what the device needs to
     finish them: labels, augmentation draws (cutout), sample ids, one line per image skipped as unreadable.
-    With `shapes` (B x 3), x holds decoded images of those shapes back to back, not yet cropped."""
+    With `shapes` (B x 3), x holds decoded images of those shapes back to back, not yet cropped; with `flips` too,
+    each is the region of its training crop, still to be resized (and mirrored where flips)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -201,6 +202,7 @@ class _Batch(NamedTuple):
     ids: torch.Tensor | None = None
     skipped: tuple[str, ...] = ()
     shapes: torch.Tensor | None = None
+    flips: torch.Tensor | None = None
 
 
 class _MemoryBatches(torch.utils.data.Dataset):

@@ -301,6 +301,29 @@ def test_cpu_decoding_with_the_crops_on_the_device_gives_the_same_batches(tmp_pa
     assert len(evals[0]) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(*evals))
 
 
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crops_region(tmp_path, decode):
+    """Workers that do not crop send, for training, each image cut to its crop's box (drawn from the whole image's
+    size) and the flips, so about a crop's bytes cross, not a whole image's; for evaluation, whole images."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(6, 3))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.crop=device")
+    loader = build_loader(data, {**cfg.data, "decode": decode}, CPU, False, seed=7)
+    ids = torch.arange(8)
+    images = [decode_cpu(torch.frombuffer(bytearray(b), dtype=torch.uint8), "") for b in data.train.files.read(ids)]
+    shapes = [tuple(image.shape[1:]) for image in images]
+    boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
+    assert (boxes[:, 2] * boxes[:, 3] < [h * w for h, w in shapes]).any()  # some crop smaller than its image
+    sent = loader.dataset.__getitems__(("train", 3, ids.numpy()))
+    assert sent.shapes.tolist() == [[3, h, w] for _, _, h, w in boxes.tolist()]
+    regions = [image[:, y : y + h, x : x + w].reshape(-1) for image, (y, x, h, w) in zip(images, boxes.tolist())]
+    assert torch.equal(sent.x, torch.cat(regions)) and torch.equal(sent.flips, torch.from_numpy(flips))
+    sent = loader.dataset.__getitems__(("test", None, np.arange(4)))
+    assert sent.flips is None and sent.shapes[:, 1:].tolist() == [
+        list(decode_cpu(torch.frombuffer(bytearray(b), dtype=torch.uint8), "").shape[1:])
+        for b in data.test.files.read(range(4))
+    ]
+
+
 @pytest.mark.parametrize("crop", ["workers", "device"])
 def test_cpu_decoding_spreads_a_batch_over_the_workers_and_joins_it_again(tmp_path, crop):
     """With CPU decoding a batch is fetched in pieces of MIN_PIECE (32) images or more, one per worker, so the
