@@ -256,45 +256,42 @@ def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size
     offset) of image k's vertical and horizontal resize (`aa_weights`), mirrored where flips[k]. Per group of
     similar sizes: one gather into a padded batch, then two batched matrix products (fp16 inputs, fp32
     accumulation: within a level of torch's own kernel), instead of one resize kernel per image. The training
-    process runs this for every batch, so its host work does not grow with the images: one copy per image of a
-    padded batch cost ~50 us of host time each (256 images: the step's whole budget on an H100)."""
+    process runs this for every batch of crops, so the kernels are few and do not grow with the images: one
+    host-to-device table, the weights of every image at once, three kernels per group."""
     device, channels = images[0].device, images[0].shape[0]
     shapes = np.array([image.shape[1:] for image in images], dtype=np.int64).reshape(-1, 2)
     groups = size_groups([tuple(shape) for shape in shapes.tolist()])
-    order = np.concatenate(groups)  # the groups one after another: each is a slice of `table`
+    order = np.concatenate(groups)  # the groups one after another: each is a slice of the rows below
     flat = torch.cat([images[k].reshape(-1) for k in order.tolist()])
-    sizes = shapes[order].prod(1) * channels
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    columns = [rows[order], cols[order], flips[order, None], shapes[order], starts[:, None], order[:, None]]
+    starts = np.concatenate([[0], np.cumsum(shapes[order].prod(1) * channels)[:-1]])
+    columns = [rows[order], cols[order], flips[order, None], shapes[order], starts[:, None], np.argsort(order)[:, None]]
     table = to_device(torch.from_numpy(np.concatenate(columns, 1).astype(np.int64)), device)  # one copy per batch
-    out = torch.empty(len(images), channels, *size, dtype=torch.uint8, device=device)
+    wy = aa_weights(table[:, :4], size[0], int(shapes[:, 0].max())).to(dtype)
+    wx = aa_weights(table[:, 4:8], size[1], int(shapes[:, 1].max()))
+    wx = torch.where(table[:, 8:9].bool().view(-1, 1, 1), wx.flip(1), wx).to(dtype)  # mirrored: rows reversed
+    y = torch.empty(len(images), size[0] * channels, size[1], dtype=dtype, device=device)  # rows first
     first = 0
     for group in groups:
-        spans, first = table[first : first + len(group)], first + len(group)
+        n, part, first = len(group), slice(first, first + len(group)), first + len(group)
         hp, wp = (int(shapes[group, d].max()) for d in (0, 1))
-        x = _padded(flat, spans[:, 9:12], channels, hp, wp).to(dtype)  # rows first: one product each
-        wy = aa_weights(spans[:, :4], size[0], hp).to(dtype)
-        wx = aa_weights(spans[:, 4:8], size[1], wp)
-        wx = torch.where(spans[:, 8:9].bool().view(-1, 1, 1), wx.flip(1), wx).to(dtype)  # mirrored: rows reversed
-        t = torch.bmm(wy, x.view(len(group), hp, channels * wp)).view(len(group), size[0] * channels, wp)
-        y = torch.bmm(t, wx.transpose(1, 2)).view(len(group), size[0], channels, size[1]).permute(0, 2, 1, 3)
-        y = y.float().round_().clamp_(0, 255).to(torch.uint8)
-        if group == list(range(len(images))):  # one group, already in the batch's order
-            return y.contiguous()
-        out[spans[:, 12]] = y
-    return out
+        x = _padded(flat, table[part, 9:12], channels, hp, wp).to(dtype).view(n, hp, channels * wp)
+        t = torch.bmm(wy[part, :, :hp], x).view(n, size[0] * channels, wp)
+        torch.bmm(t, wx[part, :, :wp].transpose(1, 2), out=y[part])
+    y = y.view(len(images), size[0], channels, size[1]).permute(0, 2, 1, 3)
+    y = y.float().round_().clamp_(0, 255).to(torch.uint8)
+    return y.contiguous() if (order == np.arange(len(images))).all() else y[table[:, 12]].contiguous()
 
 
 def _padded(flat: torch.Tensor, where: torch.Tensor, channels: int, hp: int, wp: int) -> torch.Tensor:
     """uint8 G x hp x C x wp: images stored back to back in `flat` (C x h x w each; where[g] = (h, w, start)),
-    each at the top left of a zero-padded hp x wp, in one gather."""
+    each at the top left of hp x wp, in one gather. The padding repeats edge pixels: aa_weights gives it no
+    weight, so it need not be zeros."""
     kind = torch.int32 if flat.numel() < 2**31 else torch.int64  # int32: half the bytes of the index
     h, w, start = (v.view(-1, 1, 1, 1).to(kind) for v in where.unbind(1))
     row, channel, col = (torch.arange(n, device=flat.device, dtype=kind) for n in (hp, channels, wp))
-    row, channel, col = row.view(1, -1, 1, 1), channel.view(1, 1, -1, 1), col.view(1, 1, 1, -1)
-    inside = (row < h) & (col < w)
-    index = torch.where(inside, start + channel * (h * w) + row * w + col, 0)
-    return torch.where(inside, flat[index], 0)
+    row = torch.minimum(row.view(1, -1, 1, 1), h - 1)
+    col = torch.minimum(col.view(1, 1, 1, -1), w - 1)
+    return flat[start + channel.view(1, 1, -1, 1) * (h * w) + row * w + col]
 
 
 class DiskCrops:
