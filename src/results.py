@@ -129,6 +129,9 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
         fix = f"{smaller} and decode them on the CPU (data.decode=cpu) with a worker per CPU"
     elif workers < SPLIT_HELPS_BELOW_WORKERS:
         fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
+    elif loader == "classic":
+        only_decode = "data.crop=device (the workers decode only, ~1.3x the images per CPU; the GPU resizes)"
+        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"
     else:
         fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}"
     return f"the GPU waited for data {100 * wait:.0f}% of the time: {fix}; see the {RECIPE}"
