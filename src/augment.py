@@ -256,8 +256,8 @@ def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size
     offset) of image k's vertical and horizontal resize (`aa_weights`), mirrored where flips[k]. Per group of
     similar sizes: one gather into a padded batch, then two batched matrix products (fp16 inputs, fp32
     accumulation: within a level of torch's own kernel), instead of one resize kernel per image. The training
-    process runs this for every batch of crops, so the kernels are few and do not grow with the images: one
-    host-to-device table, the weights of every image at once, three kernels per group."""
+    process runs this for every batch of crops, so its kernels do not grow with the images: one host-to-device
+    table, the weights of every image at once, a gather and two products per group, one rounding pass."""
     device, channels = images[0].device, images[0].shape[0]
     shapes = np.array([image.shape[1:] for image in images], dtype=np.int64).reshape(-1, 2)
     groups = size_groups([tuple(shape) for shape in shapes.tolist()])
