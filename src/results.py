@@ -130,7 +130,7 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     elif workers < SPLIT_HELPS_BELOW_WORKERS:
         fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
     elif loader == "classic":
-        only_decode = "data.crop=device (the workers decode only, ~1.3x the images per CPU; the GPU resizes)"
+        only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
         fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"
     else:
         fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}"

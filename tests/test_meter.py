@@ -50,7 +50,7 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
     [  # the rows of bench/results/resnet50-split-loop_2xh200_2026-11-27.md, and the loaders it did not measure
         ("classic", 4, True, 0.68, "only 4 CPU workers per process decode: try data.decode=split"),
         ("classic", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
-        ("classic", 15, True, 0.25, "or data.crop=device (the workers decode only"),
+        ("classic", 15, True, 0.25, "or data.crop=device (the workers only decode and cut the crops"),
         ("cpudecode", 15, True, 0.30, "--max-side 256"),
         ("split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
         ("split", 4, True, 0.31, "give each GPU more CPUs"),
