@@ -87,9 +87,10 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     """(tag, data overrides) of each loader the loops and loader runs compare. Default: the in-memory data on
     the GPU (`gpu`) and the DataLoader with each --workers count (`classic<N>`). With --decode: images read
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
-    --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode, the training
-    process cropping on the GPU (`cpudecode<N>`), or shared between N CPU workers and 3 that decode on the GPU
-    (`split<N>`, data.gpu_share of each batch on the GPU); shard tags start with `shards-`."""
+    --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
+    the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
+    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU); shard tags
+    start with `shards-`."""
     workers = [int(w) for w in args.workers.split(",")]
     if not args.decode:
         return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + [
@@ -648,9 +649,9 @@ def main() -> int:
     p.add_argument(
         "--decode",
         help="compare images read from disk instead: gpu, cpu (the workers crop too), cpudecode (the workers only "
-        "decode, the GPU crops) and/or split (CPU workers and GPU-decoding workers share each batch: "
-        "--override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: "
-        "the loader alone)",
+        "decode and cut the crops' regions, the GPU resizes them) and/or split (CPU workers and GPU-decoding "
+        "workers share each batch: --override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or "
+        "--shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")

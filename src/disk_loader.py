@@ -119,9 +119,10 @@ class DiskLoader(ClassicLoader):
     """Images read from disk (an ImageFolder too big for memory, packed shards) by DataLoader workers, one set
     of workers for every split. data.decode=gpu: the workers decode on the GPU, each in a CUDA context of its own
     (started with "spawn"; 3 decode ~11,000 images/s on an H100), and this process crops the batch there (a few
-    batched kernels); cpu: the workers decode and crop on their CPUs (the "classic" path), or only decode, and
-    this process crops on its device (data.crop=device: "cpudecode"). `crop_on_device` is true whenever this
-    process crops (always with GPU decoding). Either way uint8 reaches the device, which normalizes."""
+    batched kernels); cpu: the workers decode and crop on their CPUs (the "classic" path), or decode and cut each
+    training crop's region, and this process resizes them on its device (data.crop=device: "cpudecode").
+    `crop_on_device` is true whenever this process crops (always with GPU decoding). Either way uint8 reaches the
+    device, which normalizes."""
 
     from_disk = True
     one_loader_for_all_splits = True

@@ -287,8 +287,9 @@ def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cpu_decoding_with_the_crops_on_the_device_gives_the_same_batches(tmp_path, workers):
-    """data.crop=device: the workers only decode (whole images cross to the training process, which crops them
-    batched on its device); the batches equal those of workers that crop, for training and evaluation."""
+    """data.crop=device: the workers decode and cut (each training crop's region crosses to the training process,
+    which resizes them batched on its device); the batches equal those of workers that crop, for training and
+    evaluation."""
     write_tree(tmp_path / "tree", kinds=("jpeg", "png", "gray"), per_class=(10, 5))
     data, cfg = disk_data(tmp_path, tmp_path / "tree", f"data.num_workers={workers}")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
