@@ -264,6 +264,8 @@ def resample(images, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray, size
     order = np.concatenate(groups)  # the groups one after another: each is a slice of the rows below
     flat = torch.cat([images[k].reshape(-1) for k in order.tolist()])
     starts = np.concatenate([[0], np.cumsum(shapes[order].prod(1) * channels)[:-1]])
+    # per row (image order[i]): rows 0-3, cols 4-7, flip 8, (h, w) 9-10, start in flat 11; column 12 is not the
+    # row's: the position in `order` of image i, which puts the batch back in its order
     columns = [rows[order], cols[order], flips[order, None], shapes[order], starts[:, None], np.argsort(order)[:, None]]
     table = to_device(torch.from_numpy(np.concatenate(columns, 1).astype(np.int64)), device)  # one copy per batch
     wy = aa_weights(table[:, :4], size[0], int(shapes[:, 0].max())).to(dtype)

@@ -21,7 +21,7 @@ from torchvision.transforms.v2 import functional as TF
 from src.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.config import ConfigError
 from src.datasets import load_data
-from src.decode import decode_cpu, gpu_decodable
+from src.decode import as_tensor, decode_cpu, gpu_decodable
 from src.disk_loader import DiskLoader, gpu_decoded
 from src.loaders import build_loader, cpus_of_this_process, plan_epoch, resolve_workers
 from src.trainer import train
@@ -310,7 +310,7 @@ def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crop
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.crop=device")
     loader = build_loader(data, {**cfg.data, "decode": decode}, CPU, False, seed=7)
     ids = torch.arange(8)
-    images = [decode_cpu(torch.frombuffer(bytearray(b), dtype=torch.uint8), "") for b in data.train.files.read(ids)]
+    images = [decode_cpu(as_tensor(b), "") for b in data.train.files.read(ids)]
     shapes = [tuple(image.shape[1:]) for image in images]
     boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
     assert (boxes[:, 2] * boxes[:, 3] < [h * w for h, w in shapes]).any()  # some crop smaller than its image
@@ -320,8 +320,7 @@ def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crop
     assert torch.equal(sent.x, torch.cat(regions)) and torch.equal(sent.flips, torch.from_numpy(flips))
     sent = loader.dataset.__getitems__(("test", None, np.arange(4)))
     assert sent.flips is None and sent.shapes[:, 1:].tolist() == [
-        list(decode_cpu(torch.frombuffer(bytearray(b), dtype=torch.uint8), "").shape[1:])
-        for b in data.test.files.read(range(4))
+        list(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.test.files.read(range(4))
     ]
 
 
