@@ -10,11 +10,13 @@ Two formats, both under `<run dir>/checkpoints/`, both readable by every strateg
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -72,14 +74,139 @@ def save_atomic(state: dict, path: Path) -> None:
 STATE = "state.pt"  # in a sharded checkpoint: everything but the model and optimizer tensors
 
 
-def _read(path: Path, what: Path) -> dict:
+# Files a user hands us are data: every checkpoint part is read without unpickling arbitrary objects (SECURITY.md)
+def _refused(path: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {path} is refused: it asks to load {what}, which no ddplab checkpoint holds "
+        f"(loading it could run code); pass a checkpoint train.py wrote"
+    )
+
+
+def _old_numpy_rng() -> list:
+    """What checkpoints of earlier versions hold beside tensors: numpy's RNG state as a numpy array (plain data)."""
+    return [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_torch_load(path: Path, what) -> object:
+    """torch.load(weights_only=True): tensors, numbers, strings and containers only; anything else is refused."""
     try:
-        return torch.load(what, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_old_numpy_rng()):
+            return torch.load(what, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        name = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(exc))
+        if name or "weights_only" in str(exc).lower() or "Unsupported" in str(exc):
+            raise _refused(path, name.group(1) if name else "an object that is not plain data") from None
+        raise _unreadable(path, exc) from None
     except Exception as exc:
-        cause = " ".join(str(exc).split())[:80]  # one line, whatever torch says
-        raise ConfigError(
-            f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); pass another file or trainer.resume=none"
-        ) from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: BaseException) -> ConfigError:
+    cause = " ".join(str(exc).split())[:80]  # one line, whatever torch says
+    return ConfigError(
+        f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); pass another file or trainer.resume=none"
+    )
+
+
+def _read(path: Path, what: Path) -> dict:
+    return safe_torch_load(path, what)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """A sharded checkpoint's `.metadata` is a pickle (torch's DCP reads it with pickle.load): here only the
+    classes DCP writes there are found; any other global is refused before it is called."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
+        allowed = (
+            (module == metadata.__name__ and isinstance(obj, type) and obj.__module__ == module)
+            or (module == "torch" and (name == "Size" or isinstance(obj, torch.dtype)))
+            or (module, name) in _METADATA_GLOBALS
+        )
+        if not allowed:
+            raise _refused(self.path, f"{module}.{name}")
+        return obj
+
+
+_METADATA_GLOBALS = {
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def _dcp_parts():
+    """A DCP reader and planners whose every read is plain data (see _MetadataUnpickler and safe_torch_load)."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401  (the modules _MetadataUnpickler looks up)
+    import torch.serialization  # noqa: F401
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = Path(self.path)
+            try:
+                with open(path / ".metadata", "rb") as f:
+                    metadata = _MetadataUnpickler(f, path).load()
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise _unreadable(path, exc) from None
+            with contextlib.suppress(Exception):  # what FileSystemReader sets after reading it
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    def safe_bytes(planner_class):
+        class Planner(planner_class):
+            path: Path
+
+            def load_bytes(self, read_item, value: io.BytesIO) -> None:
+                plain = io.BytesIO()  # checked as plain data, then handed to torch re-saved from what was read
+                torch.save(safe_torch_load(self.path, value), plain)
+                plain.seek(0)
+                super().load_bytes(read_item, plain)
+
+        return Planner
+
+    return Reader, safe_bytes(DefaultLoadPlanner), safe_bytes(_EmptyStateDictLoadPlanner)
+
+
+def dcp_load(tensors: dict, path: Path) -> dict:
+    """torch.distributed.checkpoint.load of sharded checkpoint `path` into `tensors` ({} reads it all), plain data only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader, planner, empty = _dcp_parts()
+    plan = (empty if not tensors else planner)()
+    plan.path = Path(path)
+    reader(path).read_metadata()  # refused or unreadable here in one line, before DCP wraps the error per rank
+    try:
+        if tensors:
+            dcp.load(tensors, storage_reader=reader(path), planner=plan)
+        else:  # everything it holds, on this process alone (what torch's dcp_to_torch_save does)
+            _load_state_dict(tensors, storage_reader=reader(path), planner=plan, no_dist=True)
+    except ConfigError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException holding each rank's
+        causes = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", None) or {}).values()]
+        mine = [c for c in causes if isinstance(c, ConfigError)]
+        if mine:
+            raise mine[0] from None
+        raise _unreadable(Path(path), causes[0] if causes else exc) from None
+    return tensors
 
 
 def load(path: Path | str) -> dict:
@@ -129,9 +256,7 @@ def saved_shapes(path: Path | str, state: dict) -> dict[str, tuple]:
     path = Path(path)
     if not path.is_dir():
         return {k: tuple(v.shape) for k, v in state["model"].items()}
-    from torch.distributed.checkpoint import FileSystemReader
-
-    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    entries = _dcp_parts()[0](path).read_metadata().state_dict_metadata
     return {k.removeprefix("model."): tuple(m.size) for k, m in entries.items() if k.startswith("model.")}
 
 
@@ -194,18 +319,12 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def load_full(path: Path | str) -> dict:
-    """A checkpoint of either format as one full state dict in memory (a sharded one is assembled from its
-    shards with torch's dcp_to_torch_save, through a temporary file)."""
+    """A checkpoint of either format as one full state dict in memory (a sharded one is assembled from its shards)."""
     path = Path(path)
     state = load(path)
     if not path.is_dir():
         return state
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "full.pt")
-        tensors = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
-    return {**state, **tensors}
+    return {**state, **dcp_load({}, path)}
 
 
 def export(path: Path | str, out: Path | str) -> None:
@@ -214,7 +333,9 @@ def export(path: Path | str, out: Path | str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, key, pos, has_gauss, cached = np.random.get_state()  # saved as plain data: a tensor and numbers
+    numpy_state = (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -222,7 +343,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.int64).astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -101,7 +101,7 @@ def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 @pytest.fixture

@@ -624,3 +624,95 @@ def test_a_hung_test_fails_with_its_stack_instead_of_stopping_the_suite(tmp_path
     assert time.time() - start < 30
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "Timeout" in proc.stdout and "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# --- files a user hands us are data, never code (issue 31) -------------------------------------------------
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command: what a crafted checkpoint would hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def _crafted_full(path: Path, marker: Path) -> Path:
+    torch.save({"model": {}, "config": {}, "epoch": _RunsCode(marker)}, path)
+    return path
+
+
+def _real_sharded(directory: Path) -> Path:
+    """A sharded checkpoint as ddplab writes it (DCP tensors + state.pt)."""
+    from src import checkpoint as ckpt
+
+    state = {"epoch": 1, "step": 0, "config": {}, "strategy": "fsdp", "rng": ckpt.rng_state()}
+    ckpt.save_sharded({"model": {"w": torch.ones(3)}, "optimizer": {"lr": 0.5}}, state, directory, ["last"], True)
+    return directory / "last"
+
+
+@pytest.mark.parametrize("how", ["eval", "resume", "run-dir", "export"])
+def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(tmp_path, how):
+    marker = tmp_path / "pwned"
+    given = _crafted_full(tmp_path / "given.pt", marker)
+    run_dir = tmp_path / "run"
+    if how == "run-dir":  # the re-run check reads the run dir's own last.pt
+        (run_dir / "checkpoints").mkdir(parents=True)
+        given = _crafted_full(run_dir / "checkpoints/last.pt", marker)
+    if how == "export":
+        proc = subprocess.run(
+            [sys.executable, "-m", "src.checkpoint", "export", str(given), str(tmp_path / "out.pt")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    else:
+        args = {"eval": ["train=false", f"ckpt_path={given}"], "resume": [f"trainer.resume={given}"]}.get(how, [])
+        proc = run_cli("debug=fast", *args, f"hydra.run.dir={run_dir}")
+    _one_line_error(proc, "is refused: it asks to load posix.system")
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("part", ["state.pt", ".metadata", "bytes"])
+def test_a_crafted_sharded_checkpoint_is_refused_and_runs_nothing(tmp_path, part):
+    import io
+    import pickle
+
+    from src import checkpoint as ckpt
+
+    marker = tmp_path / "pwned"
+    directory = _real_sharded(tmp_path / "ckpts")
+    assert ckpt.load_full(directory)["optimizer"]["lr"] == 0.5  # the real one reads back
+    if part == "state.pt":
+        _crafted_full(directory / "state.pt", marker)
+    elif part == ".metadata":
+        (directory / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    else:  # a non-tensor value DCP stores as torch.save bytes, replaced by a payload of the same path
+        metadata = ckpt._dcp_parts()[0](directory).read_metadata()
+        info = next(info for i, info in metadata.storage_data.items() if i.fqn == "optimizer.lr")
+        payload = io.BytesIO()
+        torch.save(_RunsCode(marker), payload)
+        data = (directory / info.relative_path).read_bytes()
+        (directory / info.relative_path).write_bytes(data + payload.getvalue())  # the value now points here
+        info.offset, info.length = len(data), len(payload.getvalue())
+        with open(directory / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+    readers = {
+        "state.pt": (ckpt.load, ckpt.load_full),
+        ".metadata": (ckpt.load_full, lambda p: ckpt.saved_shapes(p, {})),
+        "bytes": (ckpt.load_full,),
+    }
+    for read in readers[part]:
+        with pytest.raises(ConfigError, match="is refused: it asks to load posix.system") as info:
+            read(directory)
+        assert "\n" not in str(info.value)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.checkpoint", "export", str(directory), str(tmp_path / "out.pt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    _one_line_error(proc, "is refused")
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()

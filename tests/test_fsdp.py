@@ -384,7 +384,7 @@ def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straig
     out = tmp_path / "best.pt"
     proc = run_cli("export", str(best), str(out), command=[sys.executable, "-m", "src.checkpoint"], timeout=120)
     assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
-    exported = torch.load(out, weights_only=False)
+    exported = torch.load(out, weights_only=True)
     # the same tensors as single reads from the shards through DCP
     single = Single()
     single.wrap(TinyCNN(10, 1, width=16, batch_norm=False), Context(torch.device("cpu"), False, torch.bfloat16))

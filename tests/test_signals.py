@@ -85,7 +85,7 @@ def _check_stopped(code: int, out: str, sig: int, run_dir) -> list[str]:
 
 
 def _position(run_dir) -> tuple[int, int]:
-    state = torch.load(run_dir / "checkpoints/last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(run_dir / "checkpoints/last.pt", map_location="cpu", weights_only=True)
     return state["epoch"], state["step"]
 
 

@@ -115,7 +115,7 @@ def test_best_checkpoint_is_chosen_on_validation_and_evaluated(tmp_path, cfg_fac
     best = max(history, key=lambda r: r["val_top1"])
     assert metrics["best_epoch"] == best["epoch"]
     assert metrics["val_top1"] == pytest.approx(best["val_top1"])
-    state = torch.load(tmp_path / "run/checkpoints/best.pt", weights_only=False)
+    state = torch.load(tmp_path / "run/checkpoints/best.pt", weights_only=True)
     assert state["epoch"] == best["epoch"] and {"optimizer", "scheduler", "scaler", "rng"} <= set(state)
 
 

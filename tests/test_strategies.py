@@ -136,7 +136,7 @@ def test_checkpoint_from_fsdp_loads_in_single(tmp_path, cfg_factory):
             sub="fsdp",
         )
     )
-    state = torch.load(tmp_path / "fsdp/run/checkpoints/best.pt", weights_only=False)
+    state = torch.load(tmp_path / "fsdp/run/checkpoints/best.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])
     evaluated = train(cfg_factory("train=false", f"ckpt_path={tmp_path}/fsdp/run/checkpoints/best.pt", sub="s"))
     assert evaluated["test_top1"] == pytest.approx(read_metrics(tmp_path / "fsdp/run")["final"]["test_top1"])

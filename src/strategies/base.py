@@ -157,15 +157,13 @@ class Strategy:
         if not path.is_dir():
             self.load_state_dict(state["model"], optimizer, state["optimizer"] if optimizer is not None else None)
             return state
-        import torch.distributed.checkpoint as dcp
-
         if optimizer is None:
             tensors = {"model": get_model_state_dict(self.core)}
         else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
             tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
         with warnings.catch_warnings():  # one process (no process group) reading it is intended
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(tensors, checkpoint_id=path)
+            ckpt.dcp_load(tensors, path)
         if optimizer is None:
             set_model_state_dict(self.core, tensors["model"])
         else:
