@@ -184,7 +184,7 @@ def _dcp_parts():
 
 
 def dcp_load(tensors: dict, path: Path) -> dict:
-    """torch.distributed.checkpoint.load of sharded checkpoint `path` into `tensors` ({} reads it all), plain data only."""
+    """DCP load of sharded checkpoint `path` into `tensors` ({}: all it holds), reading plain data only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
