@@ -17,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import sys
 from multiprocessing import Pool
 from pathlib import Path
@@ -106,7 +107,7 @@ def load_shards(cfg: DictConfig) -> DataBundle:
     if not meta.is_file():
         raise ConfigError(
             f"data.root: {root} holds no packed shards (no meta.json); write them with "
-            f"python -m src.shards pack <imagefolder root> {root}"
+            f"python -m src.shards pack <imagefolder root> {shlex.quote(str(root))}"
         )
     info = json.loads(meta.read_text())
     if info.get("version") != VERSION:

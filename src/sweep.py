@@ -22,6 +22,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.commands import module_command
 from src.config import ConfigError
 
 ERROR_FILE = "error.txt"
@@ -102,7 +103,8 @@ class SweepReport(Callback):
             if ".submitit" not in path.parts and path.stat().st_mtime >= self.started
         )
         if not failed:
-            print(f"sweep: every point completed; outputs in {sweep_dir} (table: python -m src.report {sweep_dir})")
+            table = module_command("src.report", sweep_dir)
+            print(f"sweep: every point completed; outputs in {sweep_dir} (table: {table})")
             return
         print(f"sweep: {len(failed)} point(s) failed:", file=sys.stderr)
         for point, line, _ in failed:

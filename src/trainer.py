@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from src.commands import train_command
 from src.config import ConfigError, Layout, plan_layout
 from src.datasets import load_data
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
@@ -323,13 +324,13 @@ class Trainer:
         saved = self.checkpoints.save(["last"], self.progress)[0]
         if self.primary:
             log.warning(
-                "signal %s: saved %s in %s at epoch %d step %d; resume with: python train.py hydra.run.dir=%s",
+                "signal %s: saved %s in %s at epoch %d step %d; resume with: %s",
                 stop.signum,
                 saved.relative_to(self.run_dir),
                 self.run_dir,
                 epoch + 1,
                 step,
-                self.run_dir,
+                train_command(("hydra.run.dir", self.run_dir)),
             )
         stop.hand_over()
 
@@ -365,7 +366,8 @@ class Trainer:
             yield
         except RuntimeError as exc:
             if str(exc).startswith("DataLoader worker (pid"):  # torch's words, raised wherever this process was
-                resume = f", then resume with: python train.py hydra.run.dir={self.run_dir}" if self.cfg.train else ""
+                command = train_command(("hydra.run.dir", self.run_dir))
+                resume = f", then resume with: {command}" if self.cfg.train else ""
                 exc = WorkerDied(
                     f"{str(exc).splitlines()[0].rstrip('. ')}: a data loading worker died (often the host's "
                     f"out-of-memory killer); lower data.num_workers (now {self.loader.num_workers}) "

@@ -215,3 +215,23 @@ def test_the_printed_resume_command_continues_a_ddp_run_as_ddp(tmp_path, cfg_fac
     again = cfg_factory()  # `python train.py hydra.run.dir=<run>`: nothing else on the command line
     resumed = reconcile(again, overrides=[f"hydra.run.dir={tmp_path}/run"])
     assert resumed.strategy._target_.endswith("DDP") and resumed.trainer.devices == 2, resumed.strategy
+
+
+@pytest.mark.parametrize("name", ["sp ace;$(touch PWNED) 'q' \"d\"", "a=b,c $HOME ünï\\"])
+def test_the_printed_resume_command_is_paste_safe_for_any_run_dir_name(tmp_path, name):
+    run_dir = tmp_path / name
+    code, out = _interrupt([sys.executable, str(ROOT / "train.py"), *ARGS, f"hydra.run.dir={_quoted(run_dir)}"], 2)
+    assert code == 128 + 2 and (run_dir / "checkpoints/last.pt").is_file(), out[-3000:]
+    said = [line.split("resume with: ", 1)[1] for line in out.splitlines() if "resume with: " in line]
+    assert len(said) == 1, out[-3000:]
+    # pasted into a shell, as a user would: it runs nothing else and continues this run to completion
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    pasted = subprocess.run(["bash", "-c", said[0]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0 and read_metrics(run_dir)["status"] == "completed", pasted.stderr[-2000:]
+    assert not list(tmp_path.rglob("PWNED")) and not list(ROOT.glob("PWNED"))
+
+
+def _quoted(path: Path) -> str:
+    from src.commands import hydra_value
+
+    return hydra_value(path)

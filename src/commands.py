@@ -1,0 +1,37 @@
+"""Commands the project prints for users to paste: every argument quoted for the shell and, where it is a Hydra
+override, for Hydra's override grammar, so that a path with spaces, quotes, `;`, `$()`, `=`, `,` or non-ASCII
+letters reads back as itself and runs nothing."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./:+-]+")  # read by Hydra as an unquoted string as it is
+_SPECIAL = re.compile(r"(\\*)('|\$\{|$)")
+
+
+def hydra_value(value) -> str:
+    """`value` as one Hydra override value that Hydra (and OmegaConf's interpolation) reads back unchanged."""
+    text = str(value)
+    if _PLAIN.fullmatch(text):
+        return text
+    # quoted, Hydra reads a backslash as itself except before a quote or `${` (which it then escapes: `\${` is a
+    # literal `${`, not an interpolation) and in a run of them that ends there or at the closing quote (halved)
+    escaped = _SPECIAL.sub(lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text)
+    return f"'{escaped}'"
+
+
+def override(key: str, value) -> str:
+    """`key=value` as one shell word."""
+    return shlex.quote(f"{key}={hydra_value(value)}")
+
+
+def train_command(*overrides: tuple[str, object]) -> str:
+    """`python train.py key=value ...`, paste-safe."""
+    return " ".join(["python", "train.py", *(override(k, v) for k, v in overrides)])
+
+
+def module_command(module: str, *args) -> str:
+    """`python -m <module> args...`, each argument one shell word."""
+    return " ".join(["python", "-m", module, *(shlex.quote(str(a)) for a in args)])
