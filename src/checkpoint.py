@@ -94,9 +94,10 @@ def safe_torch_load(path: Path, what) -> object:
             return torch.load(what, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         name = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(exc))
-        if name or "weights_only" in str(exc).lower() or "Unsupported" in str(exc):
-            raise _refused(path, name.group(1) if name else "an object that is not plain data") from None
-        raise _unreadable(path, exc) from None
+        if name:
+            raise _refused(path, name.group(1)) from None
+        cause = str(exc).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0]  # not torch's advice
+        raise _unreadable(path, pickle.UnpicklingError(cause)) from None
     except Exception as exc:
         raise _unreadable(path, exc) from None
 

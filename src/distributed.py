@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,13 +133,35 @@ def _env_rank() -> int:
     return int(env.get("SLURM_PROCID", 0)) if "SLURM_STEP_ID" in env else 0
 
 
-def rank_zero_only(value: str) -> str | None:
-    return value if _env_rank() == 0 else None
-
-
 def rank_log_suffix() -> str:
     rank = _env_rank()
     return "" if rank == 0 else f"_rank{rank}"
+
+
+def _output_dir(root) -> Path | None:
+    from omegaconf import OmegaConf
+
+    try:
+        out = OmegaConf.select(root, "hydra.runtime.output_dir", default=None)
+    except Exception:  # not set yet (e.g. --cfg hydra): nothing to keep
+        return None
+    return Path(out) if out else None
+
+
+def record_subdir(value: str, *, _root_) -> str | None:
+    """hydra.output_subdir: rank 0 writes `.hydra/` once; a resume, an evaluation or a re-run in the same run dir
+    keeps the record of the run's own launch (its overrides name it in reports)."""
+    out = _output_dir(_root_)
+    if _env_rank() != 0 or (out is not None and (out / value / "config.yaml").exists()):
+        return None
+    return value
+
+
+def run_log(output_dir: str, name: str) -> str:
+    """The job's log file; a completed run's dir is left as it is (its log stays the run's own)."""
+    from src.resume import completed
+
+    return os.devnull if completed(Path(output_dir)) else f"{output_dir}/{name}{rank_log_suffix()}.log"
 
 
 def register_resolvers() -> None:
@@ -146,11 +169,13 @@ def register_resolvers() -> None:
 
     for name, fn in (
         ("run_stamp", run_stamp),
-        ("rank_zero_only", rank_zero_only),
         ("rank_log_suffix", rank_log_suffix),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)
+    for name, fn in (("record_subdir", record_subdir), ("run_log", run_log)):  # they look at the run dir each time
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=False)
 
 
 # --- process group -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from src.config import ConfigError, plan_layout
 from src.distributed import rank_env
-from src.resume import reconcile
+from src.resume import already_completed, reconcile
 from src.runlock import RunLock
 from src.signals import ELASTIC_SIGNALS, STOP_SIGNALS, ForwardStops, Interrupted, interrupt_outside_training
 from src.strategies import build_strategy
@@ -49,6 +49,16 @@ def main(cfg: DictConfig) -> dict:
             "a Hydra multirun (-m) under torchrun would run the whole sweep in every rank; "
             "run `python train.py -m ...` without torchrun (ranks are started per job)"
         )
+    done = already_completed(cfg, _command_line_overrides())
+    if done is not None:  # a finished run is immutable: nothing runs, nothing in its dir changes
+        final = done.get("final") or {}
+        log.info(
+            "%s holds a completed run (test top-1 %.2f %%, best epoch %s): nothing to do",
+            cfg.paths.output_dir,
+            final.get("test_top1", float("nan")),
+            final.get("best_epoch"),
+        )
+        return final
     cfg = reconcile(cfg, _command_line_overrides())  # a re-run in a run dir continues that run
     layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
     build_strategy(cfg.strategy).preflight(cfg)  # e.g. can FSDP shard this model?

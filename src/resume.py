@@ -3,11 +3,13 @@ the change cannot alter the result; an evaluation takes the checkpoint's model u
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoint import find, load
+from src.commands import train_command
 from src.schema import ConfigError
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
@@ -37,6 +39,56 @@ MAY_CHANGE = (
     "data.max_memory_gb",
     "data.download",
 )
+
+
+# May change when an unfinished run resumes, but would change a completed run's recorded numbers if it re-ran
+CHANGES_RECORDED_NUMBERS = (
+    "data.root",
+    "data.eval_batch_size",
+    "trainer.limit_eval_batches",
+    "trainer.test_every_epoch",
+)
+
+
+def completed(run_dir: Path) -> dict | None:
+    """metrics.json of the completed training run in `run_dir`, else None."""
+    try:
+        metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) and metrics.get("status") == "completed" else None
+
+
+def already_completed(cfg: DictConfig, overrides: list[str] | None) -> dict | None:
+    """A training run into a dir that holds a completed run changes nothing: its final metrics (the run is done),
+    or a one-line refusal when this command line asks for other numbers than the run recorded."""
+    run_dir = Path(cfg.paths.output_dir)
+    metrics = completed(run_dir) if cfg.train else None
+    if metrics is None:
+        return None
+    resume = cfg.trainer.resume
+    if resume not in ("auto",):
+        raise ConfigError(
+            f"{run_dir} holds a completed run; trainer.resume={resume} would replace its results: "
+            f"leave trainer.resume at auto, or train in another hydra.run.dir"
+        )
+    explicit = _explicit(overrides)
+    now, before = _flat(OmegaConf.to_container(cfg, resolve=True)), _flat(metrics.get("config") or {})
+    changed = [
+        f"{key}={now[key]!r} (run: {before[key]!r})"
+        for key in sorted(set(now) & set(before))
+        if now[key] != before[key]
+        and _set_by_user(key, explicit)
+        and (not _may_change(key) or key in CHANGES_RECORDED_NUMBERS)
+    ]
+    if changed:
+        best = find(run_dir / "checkpoints", "best") or find(run_dir / "checkpoints", "last")
+        raise ConfigError(
+            f"{run_dir} holds a completed run and {'; '.join(changed)} would change its recorded numbers; "
+            f"evaluate it with {train_command(('train', 'false'), ('ckpt_path', best))} or train in another "
+            f"hydra.run.dir"
+        )
+    return metrics
 
 
 def _flat(tree, prefix: str = "") -> dict:

@@ -66,6 +66,7 @@ class SweepReport(Callback):
         _make(Path(config.hydra.run.dir), "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.made = not Path(config.hydra.sweep.dir).exists()  # only a folder this sweep made may be removed
         _make(Path(config.hydra.sweep.dir), "hydra.sweep.dir", undo=True)
         self.started = time.time() - 1  # error files written since then are this sweep's
         launcher = str(config.hydra.launcher.get("_target_", ""))
@@ -109,7 +110,7 @@ class SweepReport(Callback):
         print(f"sweep: {len(failed)} point(s) failed:", file=sys.stderr)
         for point, line, _ in failed:
             print(f"  {point}: {line}", file=sys.stderr)
-        if _nothing_ran(sweep_dir):
+        if self.made and _nothing_ran(sweep_dir):
             shutil.rmtree(sweep_dir)
             if sweep_dir.parent.parent.name == "multirun":  # the default multirun/<date>/<time>
                 with contextlib.suppress(OSError):

@@ -40,28 +40,43 @@ def finished_run(tmp_path_factory):
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("trainer.max_epochs=4", "trainer.max_epochs=4 (checkpoint: 3)"),  # was: new epochs at lr 0
-        ("optim.lr=3", "optim.lr=3 (checkpoint: 0.1)"),  # was: ignored, yet recorded
-        ("data.batch_size=64", "data.batch_size=64 (checkpoint: 128)"),  # was: "step 5" of another plan
+        ("trainer.max_epochs=4", "trainer.max_epochs=4 (run: 3)"),  # was: new epochs at lr 0
+        ("optim.lr=3", "optim.lr=3 (run: 0.1)"),  # was: ignored, yet recorded
+        ("data.batch_size=64", "data.batch_size=64 (run: 128)"),  # was: "step 5" of another plan
+        ("data.eval_batch_size=8", "data.eval_batch_size=8 (run: "),  # was: re-tested, metrics.json rewritten
+        ("trainer.limit_eval_batches=1", "trainer.limit_eval_batches=1 (run: None)"),  # was: rewritten, 8 images
     ],
 )
-def test_resume_refuses_options_that_change_the_result(finished_run, override, key):
-    before = (finished_run / "metrics.json").read_bytes(), (finished_run / "checkpoints/last.pt").read_bytes()
+def test_a_completed_run_refuses_options_that_change_its_numbers_and_stays_byte_identical(finished_run, override, key):
+    before = _files(finished_run)
     proc = run_cli("debug=fast", override, f"hydra.run.dir={finished_run}")
     _one_line_error(proc, key)
-    assert "trained with other settings" in proc.stderr
-    after = (finished_run / "metrics.json").read_bytes(), (finished_run / "checkpoints/last.pt").read_bytes()
-    assert before == after
+    assert "holds a completed run" in proc.stderr
+    assert _files(finished_run) == before
 
 
-def test_rerun_without_the_original_overrides_continues_with_the_saved_config(finished_run):
-    before = read_metrics(finished_run)
+def _files(run_dir: Path) -> dict:
+    """Every file of a run dir, by content and modification time."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_rerunning_a_completed_run_says_so_and_changes_nothing(finished_run):
+    before, metrics = _files(finished_run), read_metrics(finished_run)
     proc = run_cli("debug=fast", f"hydra.run.dir={finished_run}", "trainer.progress_bar=false")  # may change
     assert proc.returncode == 0, proc.stderr[-2000:]
-    after = read_metrics(finished_run)
-    assert after["config"]["trainer"]["max_epochs"] == 3  # was: 2, the default, with 3 epochs of history
-    assert [r["train_loss"] for r in after["epochs"]] == [r["train_loss"] for r in before["epochs"]]
-    assert after["final"]["test_top1"] == before["final"]["test_top1"]
+    assert "holds a completed run" in proc.stdout and "nothing to do" in proc.stdout, proc.stdout[-2000:]
+    assert "resumed" not in proc.stdout + proc.stderr  # was: "resumed ... at epoch 4 step 0", then re-tested
+    assert _files(finished_run) == before
+    assert f"{metrics['final']['test_top1']:.2f} %" in proc.stdout
+
+
+def test_resuming_another_run_into_a_completed_run_is_refused(finished_run, tmp_path):
+    other = tmp_path / "other"
+    assert run_cli("debug=fast", "trainer.max_epochs=1", f"hydra.run.dir={other}").returncode == 0
+    before = _files(finished_run)
+    proc = run_cli("debug=fast", f"trainer.resume={other}/checkpoints/last.pt", f"hydra.run.dir={finished_run}")
+    _one_line_error(proc, "holds a completed run; trainer.resume=")  # was: exit 0, its results replaced
+    assert _files(finished_run) == before
 
 
 def test_reconcile_fills_unset_keys_from_the_checkpoint_and_refuses_set_ones(finished_run, cfg_factory):

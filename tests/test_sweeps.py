@@ -113,6 +113,16 @@ def test_a_sweep_refused_before_anything_ran_leaves_no_directory(tmp_path, overr
     assert left == [] and not (tmp_path / ".submitit").exists()
 
 
+def test_a_failed_sweep_into_an_existing_folder_deletes_nothing_of_it(tmp_path):
+    logs = tmp_path / "my logs"
+    (logs / "old").mkdir(parents=True)
+    (logs / "notes.txt").write_text("mine")
+    (logs / "old/run.log").write_text("also mine")
+    proc = run_cli("-m", "debug=fast", "data.batch_size=0,-1", f"hydra.sweep.dir={logs}", cwd=tmp_path)
+    assert proc.returncode == 2 and "removed" not in proc.stderr, proc.stderr[-3000:]  # was: rmtree of the folder
+    assert (logs / "notes.txt").read_text() == "mine" and (logs / "old/run.log").read_text() == "also mine"
+
+
 def test_local_tasks_shows_progress_and_keeps_its_logs_in_the_sweep(tmp_path):
     proc = run_cli("cluster=local_tasks", "debug=fast", "optim.lr=0.1,-1", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
