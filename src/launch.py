@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 import uuid
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,8 +23,15 @@ from tqdm import tqdm
 from src.config import ConfigError, plan_layout
 from src.distributed import rank_env
 from src.resume import already_completed, reconcile
-from src.runlock import RunLock
-from src.signals import ELASTIC_SIGNALS, STOP_SIGNALS, ForwardStops, Interrupted, interrupt_outside_training
+from src.runlock import RunLock, hold_as_rank
+from src.signals import (
+    ELASTIC_SIGNALS,
+    STOP_SIGNALS,
+    ForwardStops,
+    Interrupted,
+    carrier,
+    interrupt_outside_training,
+)
 from src.strategies import build_strategy
 from src.trainer import train
 
@@ -90,6 +99,12 @@ def _worker(config: dict) -> dict:
     """Entry point of each rank started by the elastic launcher. Stopped by a signal, it returns how (a clean
     exit: the agent must not restart the group) and the launcher exits 128 + the signal."""
     rank = int(os.environ["RANK"])
+    # our own process group: a stop signal sent to the launcher's whole group (`timeout` at its limit,
+    # `kill -TERM -<pgid>`, Ctrl-C) reaches the launcher alone, which forwards it as the carrier (ForwardStops);
+    # a plain SIGTERM, fatal here, stays the agent's (it stops the survivors of a failed group)
+    os.setpgid(0, 0)
+    hold_as_rank(config["paths"]["output_dir"])  # a new launch into this dir waits until every rank has gone
+    orphaned = _exit_if_orphaned()
     # tqdm would take a multiprocessing lock (a named semaphore in a spawned process), leaked with a warning at
     # exit whenever the agent stops a rank; ranks never share a bar, a thread lock does
     tqdm.set_lock(threading.RLock())
@@ -106,6 +121,27 @@ def _worker(config: dict) -> dict:
         if exc.code not in {128 + s for s in STOP_SIGNALS}:
             raise
         return {"stopped": exc.code - 128, "saved": True}  # rank 0 has said where and how to resume
+    finally:
+        if orphaned.is_set():  # no launcher to hand a result to: torch's wrapper would wait for it forever
+            logging.shutdown()
+            os._exit(128 + signal.SIGTERM)
+
+
+def _exit_if_orphaned(every: float = 0.5, grace: float = 60.0) -> threading.Event:
+    """A rank whose launcher died (SIGKILL, OOM) stops as if told to: it checkpoints at the next agreed step and
+    exits; one that has not exited `grace` seconds later is ended. The returned event is set once orphaned."""
+    parent, orphaned = os.getppid(), threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        orphaned.set()
+        os.kill(os.getpid(), carrier(signal.SIGTERM))  # as the launcher forwards a SIGTERM
+        time.sleep(grace)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ddplab-orphan-watch", daemon=True).start()
+    return orphaned
 
 
 # they log a failed rank with the agent's own traceback: RankFailed says which rank failed and where its log is

@@ -16,6 +16,15 @@ from pathlib import Path
 
 from src.config import ConfigError
 
+RANKS = ".lock.ranks"  # each rank started by the local launcher holds a shared lock on it while it lives
+
+
+def hold_as_rank(run_dir: Path | str) -> int:
+    """In a rank: a shared lock on the run dir, kept until the process ends (the kernel drops it then)."""
+    fd = os.open(Path(run_dir) / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
 
 class RunLock:
     def __init__(self, run_dir: Path | str):
@@ -43,10 +52,27 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
+        if not self._no_ranks_left():
+            os.close(fd)
+            raise ConfigError(
+                f"{self.run_dir} is still held by the ranks of an earlier launch (they save and exit within a minute "
+                f"of their launcher's death); wait for them or use another run directory"
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _no_ranks_left(self) -> bool:
+        """No rank of an earlier launch holds the run dir (RankHold): their launcher may have died before them."""
+        fd = os.open(self.run_dir / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)  # releases the probe's lock
 
     def release(self) -> None:
         if self._fd is not None:

@@ -5,6 +5,7 @@ Who catches what (Ctrl-C, SIGTERM and SIGUSR2 all mean "checkpoint and stop"):
 - ranks under torch's elastic agent (ours or torchrun): SIGUSR2 and SIGINT (Ctrl-C reaches the whole foreground
   process group), never SIGTERM: the agent sends it to stop the survivors of a failed group at once;
 - the local launcher (src/launch.py `spawn`): all three, forwarded to its workers as their carriers (ForwardStops);
+  its workers run in their own process groups, so one sent to the launcher's group reaches them only so;
 - DataLoader workers: none; they leave all three to their training process (data_workers_started).
 """
 

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import ROOT, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -101,8 +102,9 @@ def test_ctrl_c_sigterm_and_sigusr2_to_the_ddp_launcher_checkpoint_and_resume_to
     run_dir = tmp_path / "b"
     command = [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, f"hydra.run.dir={run_dir}"]
     position = (-1, 0)
-    # Ctrl-C in a terminal reaches the launcher and the ranks at once; SIGTERM and SIGUSR2 only the launcher
-    for sig, group in ((signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGUSR2, False)):
+    # Ctrl-C in a terminal and `timeout` at its limit signal the whole process group (they used to kill the ranks
+    # at once: "rank 0 failed: Signal 15"); SIGUSR2 only the launcher
+    for sig, group in ((signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGUSR2, False)):
         code, out = _interrupt(command, sig, group)
         printed = _check_stopped(code, out, sig, run_dir)
         now = _position(run_dir)
@@ -235,3 +237,51 @@ def _quoted(path: Path) -> str:
     from src.commands import hydra_value
 
     return hydra_value(path)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ranks_whose_launcher_is_killed_save_and_exit_and_hold_the_run_dir_until_then(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    for line in proc.stdout:
+        if re.search(r"\] - epoch \d+/", line):
+            break
+    ranks = [pid for pid in _children(proc.pid) if "train" in Path(f"/proc/{pid}/cmdline").read_text()]
+    ranks = ranks or _children(proc.pid)
+    proc.kill()  # SIGKILL: no handler, no forwarding; the ranks are orphaned
+    proc.wait()
+    resumed_early = run_cli("debug=fast", f"hydra.run.dir={run_dir}", *ARGS[1:], *DDP)
+    deadline = time.time() + 90
+    while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    assert ranks and not any(_alive(pid) for pid in ranks), "ranks outlived their launcher"  # was: a futex wait
+    if resumed_early.returncode != 0:  # refused while the ranks held the dir: one line
+        assert "still held by the ranks of an earlier launch" in resumed_early.stderr, resumed_early.stderr[-2000:]
+    assert _position(run_dir) > (0, 0)  # they checkpointed on their way out
+    resumed = run_cli(f"hydra.run.dir={run_dir}", timeout=300)
+    assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-2000:]
