@@ -71,6 +71,15 @@ def save_atomic(state: dict, path: Path) -> None:
         raise  # not the disk's fault (e.g. an unpicklable object): a bug to see in full
 
 
+def remove_partial_writes(directory: Path) -> None:
+    """What a save killed midway left in a run's checkpoint folder: `.<name>.pt.tmp<pid>` files, `.<name>.tmp/`."""
+    for tmp in Path(directory).glob(".*.tmp*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
 STATE = "state.pt"  # in a sharded checkpoint: everything but the model and optimizer tensors
 
 

@@ -48,10 +48,24 @@ def _hydra_mode() -> str | None:
 def _command_line_overrides() -> list[str] | None:
     from hydra.core.hydra_config import HydraConfig
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    if not HydraConfig.initialized():
+        return None
+    return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: `${...}` unresolved
+
+
+def _resolvable(cfg: DictConfig) -> None:
+    """An interpolation that cannot be resolved (`${oc.env:UNSET}`, `${no.such.key}`) is one line."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        cause = " ".join(str(exc).splitlines()[0].split())
+        raise ConfigError(f"{exc.full_key or 'the config'}: {cause}; set it or pass a value instead") from None
 
 
 def main(cfg: DictConfig) -> dict:
+    _resolvable(cfg)
     env = rank_env()
     if env.launcher in ("torchelastic", "env") and _hydra_mode() == "MULTIRUN":
         raise ConfigError(

@@ -8,10 +8,14 @@ and returns one `Logger` that calls them all. A new logger is one `Logger` subcl
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
+from typing import Literal
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from src.config import ConfigError
 
 # Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
 METRICS = (
@@ -152,6 +156,8 @@ class CSVLogger(Logger):
     """
 
     def __init__(self, run_dir: Path, cfg: DictConfig | None = None, filename: str = "metrics.csv"):
+        if Path(filename).name != filename or filename in (".", ".."):  # the run's files stay in its dir
+            raise ConfigError(f"logger.csv.filename must be a file name in the run dir, got {filename!r}")
         self.path = Path(run_dir) / filename
         self.rows: dict[int, dict] = {}
         if self.path.exists():
@@ -163,11 +169,14 @@ class CSVLogger(Logger):
         columns = list(dict.fromkeys(key for row in self.rows.values() for key in row))  # first seen, first
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.rows[s] for s in sorted(self.rows))
-        tmp.replace(self.path)
+        try:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(self.rows[s] for s in sorted(self.rows))
+            tmp.replace(self.path)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {self.path} ({exc.strerror}); make it writable or pick logger=") from None
 
 
 # --- Weights & Biases -----------------------------------------------------------------------------
@@ -185,10 +194,16 @@ class WandbLogger(Logger):
         cfg: DictConfig,
         project: str = "ddplab",
         entity: str | None = None,
-        mode: str = "offline",
+        mode: Literal["offline", "online", "disabled"] = "offline",
         tags=(),
     ):
         import wandb  # here: only a job that selects it needs wandb installed
+
+        if not re.fullmatch(r"[^/\\#?%:]{1,128}", project):  # W&B's own rule, as one line here
+            raise ConfigError(
+                f"logger.wandb.project={project!r} is not a W&B project name: at most 128 characters, "
+                f"none of / \\ # ? % :"
+            )
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir when `dir` is missing

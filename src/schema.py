@@ -41,9 +41,13 @@ class Range:
     def __str__(self) -> str:
         if self.lo == 1 and self.hi is None and not self.open_lo:
             return "positive"
-        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
-        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
+        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {_number(self.lo)}"
+        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {_number(self.hi)}"
         return " and ".join(p for p in (lo, hi) if p)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 Positive = Range(1)  # integers >= 1
@@ -211,7 +215,7 @@ class Optim:
 
 @dataclass
 class Top:
-    seed: int
+    seed: Annotated[int, Range(0, 2**32 - 1)]  # what every RNG takes (numpy's limit)
     train: bool
     ckpt_path: str | None
 

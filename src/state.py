@@ -48,6 +48,8 @@ class Checkpoints:
     def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
         self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
+        if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
+            ckpt.remove_partial_writes(self.dir)
 
     def resume_path(self) -> Path | None:
         resume, last = self.cfg.trainer.resume, ckpt.find(self.dir, "last")

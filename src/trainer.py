@@ -118,6 +118,11 @@ class Trainer:
         elif self.device.type == "cuda":
             torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
         self.data = load_data(cfg.data)
+        if cfg.train and self.layout.global_batch > len(self.data.train):  # a step would use fewer images than said
+            raise ConfigError(
+                f"data.batch_size={self.layout.global_batch} is larger than the {len(self.data.train)} training "
+                f"images; set at most {len(self.data.train)}"
+            )
         if cfg.data.get("cutout", 0) >= min(self.data.image_size):  # it would blank every training image
             raise ConfigError(
                 f"data.cutout={cfg.data.cutout} must be smaller than the images "

@@ -203,8 +203,10 @@ BAD_VALUES = [
     ("data.eval_batch_size=0", "data.eval_batch_size must be a positive integer, got 0"),
     ("data.val_fraction=null", "data.val_fraction must be a number in [0, 1), got None"),
     ("+logger.tensorboard.bogus=1", "logger.tensorboard.bogus is not an option of logger.tensorboard"),
-    ("seed=1.5", "seed must be an integer, got 1.5"),
-    ("seed=null", "seed must be an integer, got None"),
+    ("seed=1.5", "seed must be an integer >= 0 and <= 4294967295, got 1.5"),
+    ("seed=null", "seed must be an integer >= 0 and <= 4294967295, got None"),
+    ("seed=1180591620717411303424", "seed must be an integer >= 0 and <= 4294967295"),  # was: an overflow traceback
+    ("logger=wandb logger.wandb.mode=bogus", "logger.wandb.mode must be one of offline, online, disabled"),
     ("train=1", "train must be true or false, got 1"),
     ("ckpt_path=5", "ckpt_path must be a string or null, got 5"),
 ]
@@ -255,6 +257,22 @@ def _finished(proc) -> subprocess.CompletedProcess:
 
 
 CLI_BAD_VALUES = [BAD_VALUES[0], BAD_VALUES[14]]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [  # each was a traceback, or (the batch) a run that logged a batch it did not use
+        ("optim.lr=${oc.env:DDPLAB_UNSET}", "optim.lr: KeyError raised while resolving interpolation"),
+        ("optim.lr=${no.such.key}", "optim.lr: Interpolation key 'no.such.key' not found"),
+        ("logger=csv logger.csv.filename=../../x.csv", "logger.csv.filename must be a file name in the run dir"),
+        ("logger=wandb logger.wandb.project=a/b", "logger.wandb.project='a/b' is not a W&B project name"),
+        ("data.batch_size=1000000000000", "is larger than the 1221 training images; set at most 1221"),
+    ],
+)
+def test_more_mistakes_are_one_line(tmp_path, overrides, message):
+    proc = run_cli("debug=fast", *overrides.split(), f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    _one_line_error(proc, message)
+    assert not (tmp_path / "run/metrics.json").exists() and not list(tmp_path.rglob("x.csv"))
 
 
 @pytest.mark.parametrize("overrides, message", CLI_BAD_VALUES)
@@ -731,3 +749,18 @@ def test_a_crafted_sharded_checkpoint_is_refused_and_runs_nothing(tmp_path, part
     )
     _one_line_error(proc, "is refused")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_a_killed_checkpoint_writes_leftovers_are_removed_at_the_next_start(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli("debug=fast", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}").returncode == 0
+    (run_dir / "metrics.json").unlink()  # as if killed before the end: the next start resumes it
+    leftovers = [run_dir / "checkpoints/.last.pt.tmp4242", run_dir / "checkpoints/.best.tmp/__0_0.distcp"]
+    for path in leftovers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half a checkpoint")
+    (run_dir / "notes.tmp").write_text("not a checkpoint's")
+    proc = run_cli("debug=fast", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not any(p.exists() for p in leftovers) and not (run_dir / "checkpoints/.best.tmp").exists()
+    assert (run_dir / "notes.tmp").read_text() == "not a checkpoint's"
