@@ -24,7 +24,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import ConfigError
-from src.decode import EncodedImages, FileImages, unreadable
+from src.decode import EncodedImages, FileImages, decode_file, unreadable
 from src.schema import refuse_lookalikes
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ CIFAR_STATS = {
 }
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 SPLIT_SEED = 0  # the val/test carve-out is fixed, so runs with different seeds share their test set
-CACHE_VERSION = 2  # hashed into every decode-cache key: bump it when decoding changes
+CACHE_VERSION = 3  # hashed into every decode-cache key: bump it when decoding changes
 
 
 # --- the data config: one table of rules --------------------------------------------------------------
@@ -333,21 +333,10 @@ def _check_folder(path: Path) -> None:
         raise ConfigError(f"{path} has no class folders; expected {path}/<class>/<image> (ImageFolder layout)")
 
 
-def _open_rgb(path: str):
-    """ImageFolder's loader (in memory and in DataLoader workers): a bad file is named in one line."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError... depending on the codec
-        raise unreadable(path, exc) from None
-
-
 def _image_folder(folder: Path, transform=None):
     import torchvision
 
-    ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=_open_rgb, allow_empty=True)
+    ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=decode_file, allow_empty=True)
     empty = sorted(set(ds.classes) - {ds.classes[t] for t in ds.targets})
     if empty:  # torchvision's own error is a FileNotFoundError traceback
         raise ConfigError(
@@ -362,10 +351,10 @@ def _decode_folder(ds, size: int | None) -> torch.Tensor:
 
     images = []
     for path, _ in ds.samples:
-        img = _open_rgb(path)
-        if size is not None and img.size != (size, size):
-            img = img.resize((size, size), Image.BILINEAR)
-        images.append(np.asarray(img))
+        img = decode_file(path).permute(1, 2, 0).numpy()  # the decoding of every other path (src/decode.py)
+        if size is not None and img.shape[:2] != (size, size):
+            img = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR))
+        images.append(img)
     shapes = {a.shape for a in images}
     if len(shapes) > 1:
         raise ConfigError(f"{ds.root}: images differ in size {sorted(shapes)[:3]}...; set data.image_size")
@@ -445,7 +434,7 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
                 f"every split needs the same class folders"
             )
     size = cfg.image_size
-    h, w = (size, size) if size else _open_rgb(base["train"].samples[0][0]).size[::-1]
+    h, w = (size, size) if size else decode_file(base["train"].samples[0][0]).shape[1:]
     augment = _resolve_augment(cfg.augment, h, w)
     n_total = sum(len(ds) for ds in base.values())
     if n_total * 3 * h * w > cfg.max_memory_gb * 2**30 or augment == "random_resized_crop":

@@ -4,6 +4,7 @@ An on-disk split (`EncodedImages`: an ImageFolder's files, or packed shards, src
 sample's encoded bytes; the loader decodes them either in its DataLoader workers (`decode_cpu`) or, batched, on
 the training device (`decode_batch`: nvjpeg on CUDA). `gpu_decodable` tells, from a JPEG's header alone, which
 images the device decoder handles; the rest (PNG, CMYK, grayscale, progressive, ...) is decoded on the CPU.
+`decode_cpu` is the one CPU decoding: every path that turns a file into pixels goes through it.
 """
 
 from __future__ import annotations
@@ -75,9 +76,25 @@ def gpu_decodable(data) -> bool:
     return False
 
 
+def to_rgb(img):
+    """The one conversion of a PIL image to 8-bit RGB. 16-bit samples keep their high byte (v >> 8, as PIL
+    itself reads 16-bit RGB PNGs), never clipped at 255; PIL's 32-bit mode I is read as 16-bit values (what a
+    16-bit grayscale PNG or TIFF holds). Alpha (LA, RGBA, a palette's transparency) is dropped, not composited;
+    grayscale is repeated in R, G and B; palettes and CMYK are PIL's conversions."""
+    from PIL import Image
+
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        return Image.fromarray((np.asarray(img).clip(0, 2**16 - 1) >> 8).astype(np.uint8)).convert("RGB")
+    if img.mode == "P":  # through RGBA: PIL warns when a palette with transparency goes straight to RGB
+        img = img.convert("RGBA")
+    return img.convert("RGB")
+
+
 def decode_cpu(data: torch.Tensor, name: str) -> torch.Tensor:
-    """uint8 3 x H x W from any image torchvision (JPEG incl. CMYK and grayscale, PNG, WEBP, GIF) or else PIL
-    (BMP, TIFF, ...) decodes; a file neither reads is one ConfigError line naming it."""
+    """The one decoding of a file's bytes to uint8 RGB 3 x H x W, on every path (in-memory ImageFolder, DataLoader
+    workers, the device decoder's fallback, `pack --max-side`): torchvision (JPEG incl. CMYK and grayscale, PNG,
+    WEBP, GIF) or else PIL through `to_rgb` (BMP, TIFF, ...), by the same rules (16-bit: v >> 8; alpha dropped).
+    A file neither reads is one ConfigError line naming it."""
     from PIL import Image
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2.functional import to_dtype
@@ -85,14 +102,25 @@ def decode_cpu(data: torch.Tensor, name: str) -> torch.Tensor:
     try:
         image = decode_image(data, mode=ImageReadMode.RGB)
         image = image[0] if image.dim() == 4 else image  # an animated GIF: its first frame, as PIL reads it
-        return image if image.dtype == torch.uint8 else to_dtype(image, torch.uint8, scale=True)  # 16-bit PNG
+        return image if image.dtype == torch.uint8 else to_dtype(image, torch.uint8, scale=True)  # 16-bit: v >> 8
     except RuntimeError:
         pass  # a format torchvision does not read, or a damaged file: PIL reads more formats and says what is wrong
     try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+        with Image.open(io.BytesIO(data.numpy())) as img:
+            rgb = np.asarray(to_rgb(img))
     except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError... depending on the codec
         raise unreadable(name, exc) from None
+    return torch.from_numpy(rgb.transpose(2, 0, 1).copy())  # numpy's copy: torch's uint8 permute copy is slower
+
+
+def decode_file(path: str) -> torch.Tensor:
+    """A file on disk through `decode_cpu`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:  # missing, a broken symlink, unreadable
+        raise unreadable(path, exc) from None
+    return decode_cpu(as_tensor(data), path)
 
 
 def decode_batch(datas: list[torch.Tensor], device: torch.device, name: Callable[[int], str]) -> list:

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 
 from src.config import ConfigError
-from src.decode import EncodedImages, unreadable
+from src.decode import EncodedImages, as_tensor, decode_cpu, unreadable
 
 if TYPE_CHECKING:
     from src.datasets import DataBundle
@@ -127,8 +127,8 @@ def load_shards(cfg: DictConfig) -> DataBundle:
 
 
 def _payload(job: tuple[str, int | None, int]) -> bytes:
-    """The bytes to store for one file: as they are, or re-encoded as JPEG with the shorter side at most
-    max_side pixels."""
+    """The bytes to store for one file: as they are, or, decoded as every path decodes it (decode_cpu),
+    re-encoded as JPEG with the shorter side at most max_side pixels."""
     from PIL import Image
 
     path, max_side, quality = job
@@ -136,16 +136,18 @@ def _payload(job: tuple[str, int | None, int]) -> bytes:
         data = Path(path).read_bytes()
         if not max_side:
             return data
-        with Image.open(io.BytesIO(data)) as img:
-            if min(img.size) <= max_side:
-                return data
-            scale = max_side / min(img.size)
-            size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
-            out = io.BytesIO()
-            img.convert("RGB").resize(size, Image.Resampling.BICUBIC).save(out, "JPEG", quality=quality)
-            return out.getvalue()
+        with Image.open(io.BytesIO(data)) as img:  # the header: its size
+            width, height = img.size
     except Exception as exc:  # OSError, PIL's UnidentifiedImageError, ValueError...
         raise unreadable(path, exc) from None
+    if min(width, height) <= max_side:
+        return data
+    scale = max_side / min(width, height)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    rgb = decode_cpu(as_tensor(data), path).permute(1, 2, 0).numpy()
+    out = io.BytesIO()
+    Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC).save(out, "JPEG", quality=quality)
+    return out.getvalue()
 
 
 def pack_split(
