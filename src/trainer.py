@@ -327,17 +327,19 @@ class Trainer:
         self.progress.epoch, self.progress.step = epoch, step
         self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
         saved = self.checkpoints.save(["last"], self.progress)[0]
+        self._say_saved(stop, saved, f"at epoch {epoch + 1} step {step}")
+        stop.hand_over()
+
+    def _say_saved(self, stop: StopRequest, saved: Path, where: str) -> None:
         if self.primary:
             log.warning(
-                "signal %s: saved %s in %s at epoch %d step %d; resume with: %s",
+                "signal %s: saved %s in %s %s; resume with: %s",
                 stop.signum,
                 saved.relative_to(self.run_dir),
                 self.run_dir,
-                epoch + 1,
-                step,
+                where,
                 train_command(("hydra.run.dir", self.run_dir)),
             )
-        stop.hand_over()
 
     def fit(self) -> None:
         stop = StopRequest(elastic=self.env.launcher == "torchelastic")
@@ -357,9 +359,12 @@ class Trainer:
                         f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch"
                     )
                 is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
-                self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
+                saved = self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
                 if self.primary:
                     self.reporter.epoch(row)
+                if stop.agreed(0, self.layout.world_size, self.device, 1):  # it came during the evaluation
+                    self._say_saved(stop, saved[-1], f"at the end of epoch {epoch + 1}")
+                    stop.hand_over()
         finally:
             stop.restore()
 

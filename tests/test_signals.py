@@ -285,3 +285,27 @@ def test_ranks_whose_launcher_is_killed_save_and_exit_and_hold_the_run_dir_until
     assert _position(run_dir) > (0, 0)  # they checkpointed on their way out
     resumed = run_cli(f"hydra.run.dir={run_dir}", timeout=300)
     assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-2000:]
+
+
+def test_a_stop_during_the_last_epochs_validation_saves_and_exits_instead_of_completing(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["debug=fast", "data=synthetic", "data.num_samples=10000", "data.val_fraction=0.95", "data.num_test=64"]
+    args += ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "data.batch_size=16", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # two training steps (~0.2 s), then ~7 s of validation: the signal lands in it
+        lines.append(line)
+        if "steps/epoch" in line:
+            threading.Timer(2.5, proc.send_signal, (signal.SIGINT,)).start()
+    out = "".join(lines)
+    assert proc.wait() == 130, out[-3000:]  # was: ignored, exit 0 "completed" after the final test
+    assert "at the end of epoch 1; resume with: python train.py" in out and "Traceback" not in out, out[-3000:]
+    assert not (run_dir / "metrics.json").exists() and _position(run_dir) == (1, 0)
+    resumed = run_cli(f"hydra.run.dir={run_dir}", timeout=300)
+    assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-2000:]
