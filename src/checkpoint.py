@@ -111,11 +111,16 @@ def safe_torch_load(path: Path, what) -> object:
         raise _unreadable(path, exc) from None
 
 
-def _unreadable(path: Path, exc: BaseException) -> ConfigError:
-    cause = " ".join(str(exc).split())[:80]  # one line, whatever torch says
-    return ConfigError(
-        f"checkpoint {path} is unreadable ({type(exc).__name__}: {cause}); pass another file or trainer.resume=none"
-    )
+class Unreadable(ConfigError):
+    """A checkpoint that cannot be read (truncated, not a checkpoint); `cause` says what torch said, in one line."""
+
+    def __init__(self, path: Path, cause: str, advice: str = "pass another checkpoint"):
+        super().__init__(f"checkpoint {path} is unreadable ({cause}); {advice}")
+        self.path, self.cause = path, cause
+
+
+def _unreadable(path: Path, exc: BaseException) -> Unreadable:
+    return Unreadable(path, f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}")
 
 
 def _read(path: Path, what: Path) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.checkpoint import find, load
+from src.checkpoint import Unreadable, find, load
 from src.commands import train_command
 from src.schema import ConfigError
 
@@ -157,7 +157,16 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     )  # auto: last.pt or a sharded last/
     if path is None or not path.exists():
         return cfg
-    saved = load(path).get("config")
+    try:
+        saved = load(path).get("config")
+    except Unreadable as exc:
+        if resume != "auto":
+            raise
+        raise Unreadable(  # this run's own last checkpoint: trainer.resume=none would be refused (it exists)
+            path,
+            exc.cause,
+            "move it out of the run dir to start this run over, or train in another hydra.run.dir",
+        ) from None
     if not saved:
         return cfg
     tree = OmegaConf.to_container(cfg, resolve=True)

@@ -449,7 +449,13 @@ def test_a_corrupt_last_checkpoint_in_the_run_dir_is_one_line_and_kept(tmp_path,
     with pytest.raises(ConfigError, match="last.pt is unreadable") as info:
         launch(cfg_factory())
     assert "\n" not in str(info.value) and last.read_bytes() == b"PK\x03\x04 half a zip"
+    # its advice works (it said trainer.resume=none, which is then refused: the dir holds a checkpoint)
+    assert str(info.value).endswith(
+        "move it out of the run dir to start this run over, or train in another hydra.run.dir"
+    )
     assert not (tmp_path / "run/metrics.json").exists()
+    last.rename(tmp_path / "kept.pt")
+    assert launch(cfg_factory())["test_count"] > 0
 
 
 # --- filesystem ---------------------------------------------------------------------------------------
