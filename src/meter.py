@@ -66,6 +66,12 @@ class EpochMeter:
         self.totals[:2] += metrics
         self.samples += samples
 
+    def running_loss(self) -> float:
+        """The mean training loss so far as this rank sees it (one host sync): its samples, and a resumed
+        checkpoint's sums, which count their samples in totals[2]."""
+        loss_sum, resumed = self.totals[[0, 2]].tolist()
+        return loss_sum / max(resumed + self.samples, 1)
+
     def partial_totals(self) -> torch.Tensor:
         """Every rank's sums so far, reduced (collective): what a mid-epoch checkpoint keeps."""
         totals = self.totals.clone()

@@ -305,7 +305,7 @@ class Trainer:
                 step += 1
                 bar.update(1)
                 if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
-                    bar.set_postfix(loss=f"{meter.totals[0].item() / max(meter.samples, 1):.4f}")
+                    bar.set_postfix(loss=f"{meter.running_loss():.4f}")
                 if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
                     self._save_and_exit(stop, epoch, step, meter)
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps

@@ -770,3 +770,26 @@ def test_a_killed_checkpoint_writes_leftovers_are_removed_at_the_next_start(tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any(p.exists() for p in leftovers) and not (run_dir / "checkpoints/.best.tmp").exists()
     assert (run_dir / "notes.tmp").read_text() == "not a checkpoint's"
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "truncated metadata"])
+def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
+    from src import checkpoint as ckpt
+
+    directory = _real_sharded(tmp_path / "ckpts")
+    shard, metadata = directory / "__0_0.distcp", directory / ".metadata"
+    if damage == "missing shard":
+        shard.unlink()
+    else:
+        part = shard if damage == "truncated shard" else metadata
+        part.write_bytes(part.read_bytes()[:50])
+    with pytest.raises(ConfigError, match=f"checkpoint {directory} is unreadable") as info:
+        ckpt.load_full(directory)  # what evaluation, fsdp resume and export read (was: DCP's multi-line error)
+    assert "\n" not in str(info.value)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.checkpoint", "export", str(directory), str(tmp_path / "out.pt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    _one_line_error(proc, "is unreadable")

@@ -105,3 +105,10 @@ def test_gpu_data_wait_counts_only_the_time_the_gpu_has_no_step_to_run():
     starved = _epoch(EpochMeter(device, 1), 10, 0.05, lambda: _gpu_sleep(0.005))
     assert starved["gpu_data_wait_fraction"] > 0.75, starved
     assert abs(starved["gpu_data_wait_fraction"] - starved["data_wait_fraction"]) < 0.1, starved
+
+
+def test_the_running_loss_after_a_mid_epoch_resume_counts_the_resumed_samples():
+    resumed = torch.tensor([10.0, 3.0, 10.0], dtype=torch.float64)  # loss sum 10 over 10 samples: mean 1
+    meter = EpochMeter(torch.device("cpu"), 1, resumed)
+    meter.add(torch.tensor([8.0, 1.0], dtype=torch.float64), 4)  # 4 more samples at mean 2
+    assert meter.running_loss() == pytest.approx(18 / 14)  # was: 18 / 4, the resumed sum over this run's samples
