@@ -69,6 +69,7 @@ class SweepReport(Callback):
         self.made = not Path(config.hydra.sweep.dir).exists()  # only a folder this sweep made may be removed
         _make(Path(config.hydra.sweep.dir), "hydra.sweep.dir", undo=True)
         self.started = time.time() - 1  # error files written since then are this sweep's
+        self.failed_here: dict[str, tuple[str, str]] = {}  # points run in this process that failed
         launcher = str(config.hydra.launcher.get("_target_", ""))
         self.echo = None if launcher.endswith("BasicLauncher") else _Echo(Path(config.hydra.sweep.dir))
 
@@ -86,8 +87,10 @@ class SweepReport(Callback):
         exc = job_return._return_value
         line = _one_line(exc)
         print(f"error: {config.hydra.job.override_dirname}: {line}", file=sys.stderr, flush=True)
+        details = "" if isinstance(exc, ConfigError) else "".join(traceback.format_exception(exc))
+        # kept here too: another sweep into the same folder may replace or remove the file meanwhile
+        self.failed_here[str(job_dir.resolve())] = (line, details)
         if _primary():
-            details = "" if isinstance(exc, ConfigError) else "".join(traceback.format_exception(exc))
             (job_dir / ERROR_FILE).write_text(f"{line}\n{details}")
         # said; Hydra would otherwise re-raise it with a traceback once the batch is done, ending the sweep
         job_return.status, job_return.return_value = JobStatus.COMPLETED, None
@@ -98,11 +101,8 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         with contextlib.suppress(OSError):
             (sweep_dir / ".submitit" / "%j").rmdir()  # submitit's empty staging folder
-        failed = sorted(
-            (path.parent.relative_to(sweep_dir), *path.read_text().split("\n", 1))
-            for path in sweep_dir.rglob(ERROR_FILE)
-            if ".submitit" not in path.parts and path.stat().st_mtime >= self.started
-        )
+        found = {**_error_files(sweep_dir, self.started), **self.failed_here}
+        failed = sorted((Path(job).relative_to(sweep_dir.resolve()), *said) for job, said in found.items())
         if not failed:
             table = module_command("src.report", sweep_dir)
             print(f"sweep: every point completed; outputs in {sweep_dir} (table: {table})")
@@ -119,6 +119,17 @@ class SweepReport(Callback):
         else:
             print(f"sweep: outputs in {sweep_dir}", file=sys.stderr)
         sys.exit(2 if not any(details for *_, details in failed) else 1)  # 2: only bad inputs, as a single run
+
+
+def _error_files(sweep_dir: Path, since: float) -> dict[str, tuple[str, str]]:
+    """The points that ran in other processes (submitit) and failed say so in their error file."""
+    found = {}
+    for path in sweep_dir.rglob(ERROR_FILE):
+        with contextlib.suppress(OSError):  # another sweep into this folder may remove it meanwhile
+            if ".submitit" not in path.parts and path.stat().st_mtime >= since:
+                line, _, details = path.read_text().partition("\n")
+                found[str(path.parent.resolve())] = (line, details)
+    return found
 
 
 def _nothing_ran(sweep_dir: Path) -> bool:

@@ -138,3 +138,18 @@ def test_local_tasks_shows_progress_and_keeps_its_logs_in_the_sweep(tmp_path):
     jobs = list((sweep / ".submitit").iterdir())
     assert len(jobs) == 2 and all(p.name.replace("_", "").isdigit() for p in jobs), jobs
     assert all((p / f"{p.name}_0_log.out").exists() for p in jobs)
+
+
+def test_two_identical_sweeps_into_one_folder_each_report_what_happened_to_their_points(tmp_path):
+    args = [sys.executable, str(ROOT / "train.py"), "-m", "debug=fast", "seed=1,2", f"hydra.sweep.dir={tmp_path}/s"]
+    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    procs.append(subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        refused = "in use by another live run" in err or "still held by the ranks" in err
+        if proc.returncode == 0:  # was: a point refused by the other sweep's lock, then "every point completed"
+            assert not refused and "every point completed" in out, err[-2000:]
+        else:
+            assert refused and "point(s) failed" in err and "Traceback" not in err, err[-2000:]
+    for seed in (1, 2):  # whatever the interleaving, every point completed in one of the two
+        assert json.loads((tmp_path / f"s/debug=fast,seed={seed}/metrics.json").read_text())["status"] == "completed"
