@@ -8,7 +8,8 @@ with pread of contiguous byte ranges (neighbouring samples of a batch in one rea
 shards read a batch at once). Each rank reads only the samples of its own micro-batches. Layout of <out dir>:
 `<split>-00000.shard ...` (the images' bytes back to back), `<split>-index.npz` (shard, offset, length,
 label per sample, in ImageFolder order), `<split>-names.txt` (each sample's path in the folder, for error
-messages) and `meta.json` (classes, splits, options; written last, so its presence means a complete pack).
+messages) and `meta.json` (classes, each split's sample count and shard files with their sizes, options).
+A pack is written beside <out dir> and renamed to it when complete; loading checks that its parts agree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import argparse
 import io
 import json
 import os
+import re
 import shlex
+import shutil
+import signal
 import sys
 from multiprocessing import Pool
 from pathlib import Path
@@ -29,6 +33,7 @@ from omegaconf import DictConfig
 
 from src.config import ConfigError
 from src.decode import EncodedImages, as_tensor, decode_cpu, unreadable
+from src.signals import Interrupted, interrupt_outside_training
 
 if TYPE_CHECKING:
     from src.datasets import DataBundle
@@ -41,8 +46,7 @@ MERGE_GAP = 256 * 1024  # read through gaps up to this many bytes: one read inst
 class ShardImages(EncodedImages):
     """One split of a pack; files are opened once per process (DataLoader workers are forked)."""
 
-    def __init__(self, root: Path, split: str, shards: list[str]):
-        index = np.load(root / f"{split}-index.npz")
+    def __init__(self, root: Path, split: str, shards: list[str], index: dict[str, np.ndarray]):
         super().__init__(torch.from_numpy(index["label"].astype(np.int64)))
         self.root, self.split, self.shards = root, split, shards
         self.shard, self.offset, self.length = index["shard"], index["offset"], index["length"]
@@ -58,8 +62,7 @@ class ShardImages(EncodedImages):
                 self._files = (os.getpid(), [os.open(self.root / name, os.O_RDONLY) for name in self.shards])
             except OSError as exc:
                 raise ConfigError(
-                    f"{self.root}: cannot open shard {exc.filename} ({exc.strerror}); "
-                    f"pack the folder again (python -m src.shards pack)"
+                    f"{exc.filename}: cannot open this shard ({exc.strerror}); {_again(self.root)}"
                 ) from None
         return self._files[1]
 
@@ -98,23 +101,105 @@ class ShardImages(EncodedImages):
         return out
 
 
-def load_shards(cfg: DictConfig) -> DataBundle:
-    """data=shards: a pack written by `python -m src.shards pack`, read like an on-disk ImageFolder."""
-    from src.datasets import disk_bundle
+def _again(root: Path, source=None) -> str:
+    """What to do about a damaged pack (pack writes only into a new or empty folder)."""
+    src = shlex.quote(source) if isinstance(source, str) else "<imagefolder root>"
+    return f"pack the folder again into a new folder: python -m src.shards pack {src} <new folder>"
 
-    root = Path(str(cfg.root))
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_meta(root: Path) -> dict:
+    """meta.json, checked to hold what loading reads (a pack's counts, classes and shard files)."""
     meta = root / "meta.json"
     if not meta.is_file():
         raise ConfigError(
             f"data.root: {root} holds no packed shards (no meta.json); write them with "
             f"python -m src.shards pack <imagefolder root> {shlex.quote(str(root))}"
         )
-    info = json.loads(meta.read_text())
-    if info.get("version") != VERSION:
-        raise ConfigError(
-            f"{meta}: shard format version {info.get('version')}, this code reads {VERSION}; pack the folder again"
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON (a truncated write)
+        raise ConfigError(f"{meta}: not readable JSON ({type(exc).__name__}); {_again(root)}") from None
+    source = info.get("source") if isinstance(info, dict) else None
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{meta}: {what}; {_again(root, source)}")
+
+    need(isinstance(info, dict), "not a JSON object")
+    need(info.get("version") == VERSION, f"shard format version {info.get('version')!r}, this code reads {VERSION}")
+    classes, splits = info.get("classes"), info.get("splits")
+    need(isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes), "no list of classes")
+    need(
+        isinstance(splits, dict) and "train" in splits and len(splits) > 1 and set(splits) <= set(SPLITS),
+        "its splits are not train and val or test",
+    )
+    for name, split in splits.items():
+        need(isinstance(split, dict), f"split {name!r} is not a JSON object")
+        shards, sizes = split.get("shards"), split.get("bytes")  # bytes: absent from packs written before it was
+        need(
+            _is_count(split.get("count"))
+            and isinstance(shards, list)
+            and all(isinstance(s, str) and re.fullmatch(rf"{name}-\d{{5}}\.shard", s) for s in shards)
+            and (sizes is None or isinstance(sizes, list) and len(sizes) == len(shards) and all(map(_is_count, sizes))),
+            f"split {name!r} lacks its count, its shard files or their sizes",
         )
-    files = {name: ShardImages(root, name, split["shards"]) for name, split in info["splits"].items()}
+    return info
+
+
+def read_index(root: Path, name: str, split: dict, num_classes: int, source=None) -> dict[str, np.ndarray]:
+    """One split's index, checked against meta.json and the shard files: as many rows as meta.json counts,
+    labels in [0, num_classes), each sample within its shard file, each shard file present at its recorded size."""
+    path = root / f"{name}-index.npz"
+    try:
+        with np.load(path) as npz:  # allow_pickle=False: an object array is refused, never unpickled
+            index = {key: npz[key] for key in ("shard", "offset", "length", "label")}
+    except Exception as exc:  # missing, truncated, not an .npz, a key missing, pickled objects
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "truncated or not written by pack"
+        raise ConfigError(f"{path}: cannot read this index ({why}); {_again(root, source)}") from None
+
+    def need(ok: bool, what: str, file: Path = path) -> None:
+        if not ok:
+            raise ConfigError(f"{file}: {what}; {_again(root, source)}")
+
+    need(all(a.ndim == 1 and a.dtype.kind in "iu" for a in index.values()), "its columns are not integer vectors")
+    rows = sorted({len(a) for a in index.values()})
+    need(rows == [split["count"]], f"{'/'.join(map(str, rows))} rows, but meta.json counts {split['count']} samples")
+    sizes = []
+    for k, shard in enumerate(split["shards"]):
+        try:
+            sizes.append(os.stat(root / shard).st_size)
+        except OSError as exc:
+            raise ConfigError(
+                f"{root / shard}: cannot read this shard ({exc.strerror}); {_again(root, source)}"
+            ) from None
+        recorded = (split.get("bytes") or sizes)[k]
+        need(sizes[k] == recorded, f"{sizes[k]} bytes, but meta.json says {recorded}", root / shard)
+    shard, offset, length, label = (index[key].astype(np.int64) for key in ("shard", "offset", "length", "label"))
+    need(((label >= 0) & (label < num_classes)).all(), f"labels outside [0, {num_classes}) (meta.json's classes)")
+    need(((shard >= 0) & (shard < len(sizes))).all(), f"shard numbers outside [0, {len(sizes)})")
+    ends = np.asarray(sizes, dtype=np.int64)[shard] if len(shard) else shard
+    need(((offset >= 0) & (length >= 0) & (offset + length <= ends)).all(), "samples beyond the end of their shard")
+    need((root / f"{name}-names.txt").is_file(), f"{name}-names.txt is missing")
+    return index
+
+
+def load_shards(cfg: DictConfig) -> DataBundle:
+    """data=shards: a pack written by `python -m src.shards pack`, read like an on-disk ImageFolder, once its
+    meta.json, indexes and shard files agree (read_meta, read_index)."""
+    from src.datasets import disk_bundle
+
+    root = Path(str(cfg.root))
+    info = read_meta(root)
+    files = {
+        name: ShardImages(
+            root, name, split["shards"], read_index(root, name, split, len(info["classes"]), info.get("source"))
+        )
+        for name, split in info["splits"].items()
+    }
     size = cfg.image_size
     if size:
         h, w = size, size
@@ -150,6 +235,12 @@ def _payload(job: tuple[str, int | None, int]) -> bytes:
     return out.getvalue()
 
 
+def _worker_start() -> None:
+    """A packing worker leaves Ctrl-C (sent to the whole process group) to its parent, which ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def pack_split(
     folder: Path, out: Path, name: str, max_side: int | None, shard_bytes: int, quality: int, workers: int
 ) -> dict:
@@ -160,7 +251,7 @@ def pack_split(
     jobs = [(path, max_side, quality) for path, _ in ds.samples]
     shard, offset, length, shards = [], [], [], []
     current, written = None, 0
-    with Pool(workers) if max_side and workers > 1 else _Serial() as pool:
+    with Pool(workers, _worker_start) if max_side and workers > 1 else _Serial() as pool:
         for data in pool.imap(_payload, jobs, chunksize=64):
             if current is None or (written and written + len(data) > shard_bytes):
                 if current is not None:
@@ -182,7 +273,8 @@ def pack_split(
         label=np.array(ds.targets, dtype=np.int64),
     )
     (out / f"{name}-names.txt").write_text("".join(os.path.relpath(p, folder.parent) + "\n" for p, _ in ds.samples))
-    return {"count": len(ds.samples), "shards": shards, "classes": ds.classes}
+    sizes = [(out / shard).stat().st_size for shard in shards]
+    return {"count": len(ds.samples), "shards": shards, "bytes": sizes, "classes": ds.classes}
 
 
 class _Serial:
@@ -212,29 +304,52 @@ def pack(
     splits = [name for name in SPLITS if (root / name).is_dir()]
     if "train" not in splits or len(splits) < 2:
         raise ConfigError(f"{root}: expected train/ and val/ or test/ class folders (ImageFolder layout)")
-    if out.exists() and any(out.iterdir()):
+    if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
+        raise ConfigError(f"{out} is inside the image folder {root}; pack into a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} is not empty; pack into a new folder (or remove this one)")
-    out.mkdir(parents=True, exist_ok=True)
-    entries = {
-        name: pack_split(
-            root / name, out, name, max_side, int(shard_size_mb * 2**20), quality, workers or os.cpu_count() or 1
-        )
-        for name in splits
-    }
-    classes = entries["train"].pop("classes")
-    for name, entry in entries.items():
-        if entry.pop("classes", classes) != classes:
-            raise ConfigError(f"{root}/{name} has other class folders than train/; every split needs the same")
-    meta = {
-        "version": VERSION,
-        "source": str(root.resolve()),
-        "classes": classes,
-        "max_side": max_side,
-        "splits": entries,
-    }
-    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
-    os.replace(out / "meta.json.tmp", out / "meta.json")
+    # written beside out and renamed at the end: a failed or stopped pack leaves no half-made out
+    target = out.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    _remove_stale(partial)
+    partial.mkdir()
+    shard_bytes, workers = int(shard_size_mb * 2**20), workers or os.cpu_count() or 1
+    try:
+        entries = {
+            name: pack_split(root / name, partial, name, max_side, shard_bytes, quality, workers) for name in splits
+        }
+        classes = entries["train"].pop("classes")
+        for name, entry in entries.items():
+            if entry.pop("classes", classes) != classes:
+                raise ConfigError(f"{root}/{name} has other class folders than train/; every split needs the same")
+        meta = {
+            "version": VERSION,
+            "source": str(root.resolve()),
+            "classes": classes,
+            "max_side": max_side,
+            "splits": entries,
+        }
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(partial, target)  # onto an empty folder too
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return meta
+
+
+def _remove_stale(partial: Path) -> None:
+    """Leftovers of packs into the same folder that were killed outright (SIGKILL): their process is gone."""
+    prefix = partial.name.rsplit("-", 1)[0] + "-"
+    for stale in partial.parent.iterdir():
+        pid = stale.name[len(prefix) :] if stale.name.startswith(prefix) else ""
+        try:
+            if pid.isdigit():
+                os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # another user's live process
+            pass
 
 
 def main(argv=None) -> int:
@@ -251,10 +366,14 @@ def main(argv=None) -> int:
     try:
         if args.max_side is not None and args.max_side < 1 or args.shard_size_mb <= 0:
             raise ConfigError("--max-side and --shard-size-mb must be positive")
-        meta = pack(args.root, args.out, args.max_side, args.shard_size_mb, args.quality, args.workers)
+        with interrupt_outside_training((signal.SIGINT, signal.SIGTERM)):
+            meta = pack(args.root, args.out, args.max_side, args.shard_size_mb, args.quality, args.workers)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"stopped by {signal.Signals(exc.signum).name}: nothing was written to {args.out}", file=sys.stderr)
+        return 128 + exc.signum
     counts = ", ".join(f"{name} {s['count']} images in {len(s['shards'])} shards" for name, s in meta["splits"].items())
     print(f"packed {args.root} into {args.out}: {counts}")
     return 0

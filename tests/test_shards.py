@@ -3,8 +3,13 @@ few large reads, the same batches as the folder, one-line errors, and a training
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +22,7 @@ from src.config import ConfigError
 from src.datasets import load_data
 from src.loaders import build_loader, plan_epoch
 from src.trainer import train
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import ROOT, make_cfg, run_cli
 from tests.test_decode import pil_rgb, write_tree
 
 
@@ -118,11 +123,13 @@ def test_bad_packs_and_commands_are_one_line(tmp_path, packed):
     (folder / "train/a/1.png").write_bytes(b"broken")
     with pytest.raises(ConfigError, match=rf"^{folder}/train/a/1.png: cannot read this image"):
         shards.pack(folder, tmp_path / "again", max_side=8, workers=1)
-    last = sorted(root.glob("train-*.shard"))[-1]
-    last.write_bytes(last.read_bytes()[:10])
     files = load_data(shard_cfg(tmp_path, root).data).train.files
+    last = sorted(root.glob("train-*.shard"))[-1]
+    last.write_bytes(last.read_bytes()[:10])  # after loading: found by the read
     with pytest.raises(ConfigError, match="the shard ends early"):
         files[len(files) - 1]
+    with pytest.raises(ConfigError, match=rf"^{last}: 10 bytes, but meta.json says \d+; pack the folder again"):
+        load_data(shard_cfg(tmp_path, root).data)  # before: found by loading
 
 
 def test_training_on_shards_with_device_decoding(tmp_path, packed):
@@ -130,3 +137,165 @@ def test_training_on_shards_with_device_decoding(tmp_path, packed):
     cfg = shard_cfg(tmp_path, root, "data.decode=gpu", "data.batch_size=6", "data.eval_batch_size=5")
     metrics = train(cfg)
     assert metrics["test_count"] == 8 and np.isfinite(metrics["test_loss"])
+
+
+# --- integrity: a pack whose parts disagree is one line when it is loaded, before any training step ----------
+
+
+def edit_index(root: Path, change) -> None:
+    path = root / "train-index.npz"
+    with np.load(path) as npz:
+        columns = dict(npz)
+    change(columns)
+    np.savez(path, **columns)
+
+
+def edit_meta(root: Path, change) -> None:
+    meta = json.loads((root / "meta.json").read_text())
+    change(meta)
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+def cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGES = {  # what is done to the pack: (the file named, what the line says of it)
+    "rows dropped": (
+        lambda root: edit_index(root, lambda c: c.update({k: v[:-4] for k, v in c.items()})),
+        ("train-index.npz", "14 rows, but meta.json counts 18 samples"),
+    ),
+    "label out of range": (
+        lambda root: edit_index(root, lambda c: c["label"].__setitem__(0, 2)),
+        ("train-index.npz", "labels outside [0, 2)"),
+    ),
+    "sample beyond its shard": (
+        lambda root: edit_index(root, lambda c: c["offset"].__setitem__(-1, 10**6)),
+        ("train-index.npz", "samples beyond the end of their shard"),
+    ),
+    "float column": (
+        lambda root: edit_index(root, lambda c: c.update(length=c["length"] * 1.0)),
+        ("train-index.npz", "its columns are not integer vectors"),
+    ),
+    "objects in the index": (
+        lambda root: np.savez(root / "train-index.npz", shard=np.array([None] * 18), offset=0, length=0, label=0),
+        ("train-index.npz", "cannot read this index (truncated or not written by pack)"),
+    ),
+    "truncated index": (lambda root: cut(root / "train-index.npz"), ("train-index.npz", "cannot read this index")),
+    "missing index": (lambda root: (root / "test-index.npz").unlink(), ("test-index.npz", "cannot read this index")),
+    "missing shard": (
+        lambda root: (root / "train-00001.shard").unlink(),
+        ("train-00001.shard", "cannot read this shard (No such file or directory)"),
+    ),
+    "grown shard": (
+        lambda root: (root / "train-00001.shard").open("ab").write(b"x"),
+        ("train-00001.shard", "bytes, but meta.json says"),
+    ),
+    "truncated meta.json": (lambda root: cut(root / "meta.json"), ("meta.json", "not readable JSON")),
+    "meta.json a list": (lambda root: (root / "meta.json").write_text("[]"), ("meta.json", "not a JSON object")),
+    "count a string": (
+        lambda root: edit_meta(root, lambda m: m["splits"]["train"].update(count="18")),
+        ("meta.json", "split 'train' lacks its count"),
+    ),
+    "shard outside the pack": (
+        lambda root: edit_meta(root, lambda m: m["splits"]["train"]["shards"].__setitem__(0, "../train-00000.shard")),
+        ("meta.json", "split 'train' lacks its count, its shard files"),
+    ),
+    "no classes": (lambda root: edit_meta(root, lambda m: m.pop("classes")), ("meta.json", "no list of classes")),
+    "no eval split": (
+        lambda root: edit_meta(root, lambda m: m["splits"].pop("test")),
+        ("meta.json", "its splits are not train and val or test"),
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_pack_whose_parts_disagree_is_one_line_at_loading(tmp_path, packed, damage):
+    folder, root = packed
+    meta = json.loads((root / "meta.json").read_text())
+    assert [s["count"] for s in meta["splits"].values()] == [18, 8] and meta["classes"] == ["a", "b"]
+    assert meta["splits"]["train"]["bytes"] == [(root / s).stat().st_size for s in meta["splits"]["train"]["shards"]]
+    do, (name, what) = DAMAGES[damage]
+    do(root)
+    with pytest.raises(ConfigError) as info:
+        load_data(shard_cfg(tmp_path, root).data)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{root / name}: ") and what in message, message
+    source = "<imagefolder root>" if damage in ("truncated meta.json", "meta.json a list") else folder
+    assert message.endswith(f"pack the folder again into a new folder: python -m src.shards pack {source} <new folder>")
+
+
+def test_rows_dropped_from_an_index_stop_a_run_before_it_trains(tmp_path, packed):
+    _, root = packed
+    edit_index(root, lambda c: c.update({k: v[:-4] for k, v in c.items()}))
+    proc = run_cli("debug=fast", "data=shards", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "14 rows, but meta.json counts 18 samples" in proc.stderr
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
+# --- packing: never into its source, never half-made ------------------------------------------------------
+
+
+def test_packing_into_the_image_folder_is_refused(packed):
+    folder, _ = packed
+    before = sorted(folder.rglob("*"))
+    for out in (folder, folder / "packed", folder / "train/a/packed"):
+        with pytest.raises(
+            ConfigError, match=rf"^{out} is inside the image folder {folder}; pack into a folder outside"
+        ):
+            shards.pack(folder, out)
+    assert sorted(folder.rglob("*")) == before
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_pack_leaves_nothing(tmp_path, packed, workers):
+    folder, _ = packed
+    (folder / "test/b/3.jpg").write_bytes(b"broken")  # the last file packed: every shard before it is written
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        with pytest.raises(ConfigError, match="cannot read this image"):
+            shards.pack(folder, out, max_side=8, workers=workers)
+    assert not (tmp_path / "new").exists() and not any((tmp_path / "empty").iterdir())
+    assert not list(tmp_path.glob(".*"))  # no partial pack beside them
+    (folder / "test/b/3.jpg").unlink()
+    shards.pack(folder, tmp_path / "empty", max_side=8, workers=workers)  # an empty folder is a fine target
+    assert load_data(shard_cfg(tmp_path, tmp_path / "empty").data).test.labels.tolist() == [0] * 4 + [1] * 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_pack_exits_128_plus_n_in_one_line_and_leaves_nothing(tmp_path, sig):
+    """A real `python -m src.shards pack` of 2000 JPEGs stopped mid-way: SIGINT as Ctrl-C sends it (to the whole
+    process group, its workers too), SIGTERM to the command alone."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (160, 160, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG")
+    for split, n in (("train", 900), ("test", 100)):
+        for c in ("a", "b"):
+            (tmp_path / "tree" / split / c).mkdir(parents=True)
+            for i in range(n):
+                (tmp_path / "tree" / split / c / f"{i}.jpg").write_bytes(out.getvalue())
+    command = [sys.executable, "-m", "src.shards", "pack", "tree", "packed", "--max-side", "32", "--workers", "2"]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".packed.partial-*/train-00000.shard")) and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()  # still packing
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig
+    assert stderr.splitlines() == [f"stopped by {sig.name}: nothing was written to packed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tree"]
