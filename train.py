@@ -37,4 +37,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from src.cli import problem
+
+    if said := problem(sys.argv[1:]):  # before Hydra, whose own messages take several lines
+        print(f"error: {said}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -8,7 +8,7 @@
         your own variants (NAME:OVERRIDES), e.g. a model and batch where ddp runs out of memory ("why fsdp")
     python bench/strategies_table.py --scaling resnet50|vit_b16|resnet18 [--gpus 4] [--dry-run]
         single, ddp and fsdp on 2 and 4 GPUs, compiled, bf16, synthetic data on the device (the runs of
-        bench/results/fsdp-compiled_4xh100_2026-11-26.md); --dry-run prints the commands
+        bench/results/fsdp_h100_2026-11-27.md); --dry-run prints the commands
 
 Each variant runs `python train.py <overrides> <the variant's overrides>` in its own process. A variant that runs
 out of memory is a row that says so (train.py's one line, e.g. the memory it had reached), not a failure.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,6 +81,39 @@ def check_layout(cfg: DictConfig) -> None:
             f"trainer.devices={devices} but each node runs cluster.tasks_per_node={tasks} ranks; "
             f"HINT: set trainer.devices=auto"
         )
+
+
+SETUP = "set up SLURM's client on this machine (srun, sbatch and a slurm.conf), or submit from a login node"
+
+
+def slurm_reachable() -> str | None:
+    """Why jobs cannot be submitted to SLURM from here (one line), or None: what submitit would otherwise report
+    as a traceback (no srun) or several (sbatch: fatal, CalledProcessError, FailedJobError)."""
+    missing = [tool for tool in ("srun", "sbatch") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found: this machine has no SLURM"
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # no verdict: let sbatch say
+    said = " ".join((ping.stdout + ping.stderr).split())
+    if ping.returncode != 0 or "DOWN" in said:
+        return f"SLURM's controller does not answer (scontrol ping: {said[:120] or ping.returncode})"
+    return None
+
+
+def refuse_unreachable_slurm(config: DictConfig) -> None:
+    """Before a sweep is handed to submitit's SLURM launcher: one line that says what to do instead."""
+    if not str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "").endswith("SlurmLauncher"):
+        return
+    why = slurm_reachable()
+    if why:
+        print(
+            f"error: {why}; run the same jobs on this machine with cluster=local_tasks (submitit's local "
+            f"executor), or {SETUP}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 class ValidateCluster(Callback):

@@ -28,9 +28,8 @@ from src.decode import EncodedImages
 from src.signals import data_workers_started, leave_stops_to_the_trainer
 
 log = logging.getLogger(__name__)
-# data.num_workers=auto: 15 CPU workers fed ResNet-50 on one H100 from 256-px shards at 0.95x its ceiling
-# (bench/results/resnet50-shards256-pieces_4xh100_2026-11-27.md); GPU-decoding workers each hold a CUDA context,
-# and 3 fed an H100 best (bench/results/resnet50-gpudecode-workers_h100_2026-11-26.md)
+# data.num_workers=auto: a CPU worker per CPU (at most 16); GPU-decoding workers each hold a CUDA context, and 3
+# fed an H100 best (measurements: docs/data.md, docs/performance.md)
 AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
 # workers yield a shared core to the training process: descheduled behind them, it leaves its GPU idle
 WORKER_NICENESS = 10
@@ -357,8 +356,7 @@ class ClassicLoader:
     def prepare(self, steps: list[Step], epoch: int, evals: Sequence[tuple[str, torch.Tensor, int]] = ()) -> None:
         """Send the workers now what the trainer takes next: the evaluations `evals` (split, sample ids, batch
         size) where the training's workers make them too, then the epoch `steps`. The trainer calls this once an
-        epoch's last step is queued, so the next epoch starts with batches made
-        (bench/results/resnet50-epoch-ahead_h100_2026-11-27.md)."""
+        epoch's last step is queued, so the next epoch starts with batches made."""
         if not self.num_workers:
             return
         segments = [(s, None, _eval_batches(ids, size)) for s, ids, size in evals if self.one_loader_for_all_splits]

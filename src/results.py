@@ -84,14 +84,16 @@ PERF_KEYS = ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb", "tflops_
 
 
 def efficiency_line(m: dict) -> str:
-    """Memory and compute efficiency, as far as this device reports them (CPU: host memory, no MFU)."""
-    parts = [f"{m['tflops_per_gpu']:.2f} TFLOP/s/device"] if "tflops_per_gpu" in m else []
+    """Memory and compute efficiency, as far as this device reports them (a CPU: its host memory only; its
+    FLOP rate stays in metrics.json, where it is exact, not printed as a GPU figure)."""
+    gpu = "peak_mem_gb" in m
+    parts = [f"{m['tflops_per_gpu']:.2f} TFLOP/s/device"] if gpu and m.get("tflops_per_gpu") is not None else []
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if "peak_mem_gb" in m:
         parts.append(f"peak mem {m['peak_mem_gb']:.2f} GiB (reserved {m.get('peak_mem_reserved_gb', 0):.2f})")
     elif "peak_host_mem_gb" in m:
-        parts.append(f"peak host mem {m['peak_host_mem_gb']:.2f} GiB (CPU: no GPU memory, no MFU)")
+        parts.append(f"peak host mem {m['peak_host_mem_gb']:.2f} GiB")
     return ", ".join(parts)
 
 
@@ -106,7 +108,7 @@ def data_wait(m: dict) -> str:
 # CPU decoding with 4 CPU workers per GPU; CPU decoding was the faster from 8 workers on.
 DATA_BOUND_GPU_WAIT = 0.2
 SPLIT_HELPS_BELOW_WORKERS = 6
-RECIPE = "README: 'Recipe: an ImageNet-style folder at GPU speed'"
+RECIPE = "docs/data.md: 'Recipe: an ImageNet-style folder at GPU speed'"
 
 
 def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -> str | None:
@@ -137,10 +139,16 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     return f"the GPU waited for data {100 * wait:.0f}% of the time: {fix}; see the {RECIPE}"
 
 
-def log_final(final: dict) -> None:
+def log_final(final: dict, replicated: bool) -> None:
+    """The run's final line; `replicated`: several processes hold the model, so say whether they agree."""
+    in_sync = (
+        f" | params in sync: {final['params_in_sync']}, BN buffers in sync: {final['bn_buffers_in_sync']}"
+        if replicated
+        else ""
+    )
     log.info(
         "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
-        "%.0f img/s, data wait %s | params in sync: %s, BN buffers in sync: %s",
+        "%.0f img/s, data wait %s%s",
         final["test_loss"],
         final["test_top1"],
         final["test_top5"],
@@ -149,10 +157,9 @@ def log_final(final: dict) -> None:
         final.get("sec_per_epoch", math.nan),
         final.get("images_per_sec", math.nan),
         data_wait(final),
-        final["params_in_sync"],
-        final["bn_buffers_in_sync"],
+        in_sync,
     )
-    if final.get("tflops_per_gpu") is not None:
+    if "peak_mem_gb" in final:
         log.info("efficiency: %s", efficiency_line(final))
 
 
@@ -278,7 +285,7 @@ class Reporter:
             write_metrics(self.run_dir, self.cfg, status, final, [], self.hparams, self.device, name="eval.json")
             log.info("outputs: %s (eval.json)", self.run_dir)
             return
-        log_final(final)
+        log_final(final, self.hparams["processes"] > 1)
         advice = data_bound_advice(final, self.hparams["loader"], self.hparams["num_workers"], self.from_disk)
         if advice:
             log.warning(advice)

@@ -65,7 +65,10 @@ class RunLock:
 
     def _no_ranks_left(self) -> bool:
         """No rank of an earlier launch holds the run dir (RankHold): their launcher may have died before them."""
-        fd = os.open(self.run_dir / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.run_dir / RANKS, os.O_RDWR)
+        except FileNotFoundError:  # no launch started ranks here yet
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True

@@ -66,6 +66,9 @@ class SweepReport(Callback):
         _make(Path(config.hydra.run.dir), "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from src.cluster import refuse_unreachable_slurm
+
+        refuse_unreachable_slurm(config)  # before any folder is made
         self.made = not Path(config.hydra.sweep.dir).exists()  # only a folder this sweep made may be removed
         _make(Path(config.hydra.sweep.dir), "hydra.sweep.dir", undo=True)
         self.started = time.time() - 1  # error files written since then are this sweep's

@@ -793,3 +793,27 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
         text=True,
     )
     _one_line_error(proc, "is unreadable")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [  # each was Hydra's several lines; its advice for a typo, +key=, would have added the typo as a new key
+        (["trainer.max_epoch=3"], "trainer.max_epoch is not an option of trainer; did you mean trainer.max_epochs?"),
+        (["-m", "seed=1,2", "trainer.max_epoch=3"], "did you mean trainer.max_epochs?"),
+        (["seedd=3"], "seedd is not a top-level option; did you mean seed?"),
+        (["data=cifar1000"], "data=cifar1000 is not a data option (cifar10, cifar100, digits, imagefolder, shards"),
+        (["data=imagefolder", "data.rooot=x"], "did you mean data.root?"),
+        (["model=torchvision", "model.nme=x"], "did you mean model.name?"),
+        (["hydra.run.dir=/tmp/ünï x"], "cannot read the override 'hydra.run.dir=/tmp/ünï x'"),
+    ],
+)
+def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args, message):
+    proc = run_cli("debug=fast", *args, cwd=tmp_path)
+    _one_line_error(proc, message)
+    assert list(tmp_path.iterdir()) == []  # refused before Hydra made a run or sweep dir
+
+
+def test_hydra_flags_and_added_keys_are_left_to_hydra(tmp_path):
+    assert "== Configuration groups ==" in run_cli("--help", cwd=tmp_path).stdout
+    proc = run_cli("debug=fast", "+model.kwargs.foo=1", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0 and "foo: 1" in proc.stdout, proc.stderr[-2000:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,3 +155,27 @@ def test_two_identical_sweeps_into_one_folder_each_report_what_happened_to_their
             assert refused and "point(s) failed" in err and "Traceback" not in err, err[-2000:]
     for seed in (1, 2):  # whatever the interleaving, every point completed in one of the two
         assert json.loads((tmp_path / f"s/debug=fast,seed={seed}/metrics.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("launcher", ["cluster=slurm", "hydra/launcher=submitit_slurm"])
+def test_slurm_sweeps_on_a_machine_without_slurm_are_one_line_naming_local_tasks(tmp_path, launcher):
+    (tmp_path / "bin").mkdir()  # a PATH without srun and sbatch, whether or not this machine has them
+    proc = run_cli("-m", launcher, "debug=fast", "seed=1,2", cwd=tmp_path, env={"PATH": str(tmp_path / "bin")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: 25 lines
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: srun and sbatch not found") and "cluster=local_tasks" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # no sweep folder
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (make slurm-install)")
+def test_a_slurm_client_without_a_controller_is_one_line(tmp_path):
+    conf = tmp_path / "slurm.conf"  # the real client, pointed at a controller that is not running
+    conf.write_text(
+        "ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort=1\nNodeName=localhost CPUs=1 State=UNKNOWN\n"
+        "PartitionName=p Nodes=localhost Default=YES\nMessageTimeout=2\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    proc = run_cli("-m", "cluster=slurm", "debug=fast", cwd=tmp_path, env={**env, "SLURM_CONF": str(conf)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: 45 lines
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cluster=local_tasks" in lines[0], proc.stderr[-2000:]
