@@ -98,7 +98,7 @@ def _unknown_key(parsed, groups) -> str | None:
     for o in keys:
         parent_key, _, leaf = o.key_or_group.rpartition(".")
         parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
-        if OmegaConf.is_dict(parent) and leaf not in parent:
+        if OmegaConf.is_dict(parent) and leaf not in parent.keys():  # keys(): `in` is False for a ??? value
             known = [str(k) for k in parent.keys() if str(k) != "hydra"] + _declared_by_target(parent, parent_key)
             if leaf in known:  # an argument of its _target_ the YAML leaves at its default
                 return f"{o.key_or_group} is not set in the config; pass it as +{o.key_or_group}={o.value()}"

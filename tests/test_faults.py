@@ -817,3 +817,5 @@ def test_hydra_flags_and_added_keys_are_left_to_hydra(tmp_path):
     assert "== Configuration groups ==" in run_cli("--help", cwd=tmp_path).stdout
     proc = run_cli("debug=fast", "+model.kwargs.foo=1", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0 and "foo: 1" in proc.stdout, proc.stderr[-2000:]
+    proc = run_cli("debug=fast", "data=shards", f"data.root={tmp_path}/none", cwd=tmp_path)  # a ??? key is a key
+    _one_line_error(proc, "holds no packed shards")
