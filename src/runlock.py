@@ -21,6 +21,7 @@ RANKS = ".lock.ranks"  # each rank started by the local launcher holds a shared 
 
 def hold_as_rank(run_dir: Path | str) -> int:
     """In a rank: a shared lock on the run dir, kept until the process ends (the kernel drops it then)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # an evaluation's ranks may be the first to write there
     fd = os.open(Path(run_dir) / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd

@@ -819,3 +819,13 @@ def test_hydra_flags_and_added_keys_are_left_to_hydra(tmp_path):
     assert proc.returncode == 0 and "foo: 1" in proc.stdout, proc.stderr[-2000:]
     proc = run_cli("debug=fast", "data=shards", f"data.root={tmp_path}/none", cwd=tmp_path)  # a ??? key is a key
     _one_line_error(proc, "holds no packed shards")
+
+
+def test_ddp_evaluation_into_a_run_dir_no_one_made_yet_works(finished_run, cfg_factory, tmp_path):
+    # called from Python (no Hydra to make the dir, no training run lock): the ranks are the first to write there;
+    # was a FileNotFoundError for .lock.ranks (seen on GPU in tests/test_gpu.py)
+    best = finished_run / "checkpoints/best.pt"
+    cfg = cfg_factory("train=false", f"ckpt_path={best}", "strategy=ddp", "trainer.devices=2", "model=tiny_cnn")
+    assert not (tmp_path / "run").exists()
+    assert launch(cfg)["test_count"] > 0
+    assert json.loads((tmp_path / "run/eval.json").read_text())["status"] == "evaluated"
