@@ -24,9 +24,10 @@ train: install  ## train with the default config (digits, CPU or GPU); pass over
 test: install slurm-install lint  ## install, lint, then the whole test suite (CPU; SLURM tests skip where slurm can't be installed)
 	$(PY) -m pytest -q $(ARGS)
 
-lint: install  ## ruff: lint and format check (pyproject.toml); `make format` rewrites
+lint: install  ## ruff (lint and format check) and import-linter (no cycles, layers), all in pyproject.toml
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: install  ## ruff: fix what can be fixed and format
 	$(VENV)/bin/ruff check --fix .

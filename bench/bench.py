@@ -571,7 +571,8 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
     import torch
 
     from src.datasets import load_data
-    from src.loaders import build_loader, plan_epoch
+    from src.loader_choice import build_loader
+    from src.loaders import plan_epoch
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from src.config import ConfigError
+from src.errors import ConfigError
 
 
 class _FileWriter:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.schema import refuse_lookalikes
 
 # the keys of conf/cluster/*.yaml; a YAML of your own may add keys for its launcher settings to interpolate

@@ -14,9 +14,11 @@ import torch
 from omegaconf import DictConfig
 
 from src import schema
-from src.schema import ConfigError
+from src.cluster import check_keys
+from src.datasets import check_data_config
+from src.errors import ConfigError
 
-__all__ = ["ConfigError", "Layout", "check_types", "plan_layout", "resolve_device_type"]
+__all__ = ["Layout", "check_types", "plan_layout", "resolve_device_type"]
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -25,8 +27,11 @@ def _expect(cond: bool, message: str) -> None:
 
 
 def check_types(cfg: DictConfig) -> None:
-    """Every option on its own (src/schema.py), then the combinations that cannot work."""
+    """Every option on its own (src/schema.py, the cluster and data groups' own checks), then the combinations
+    that cannot work."""
     schema.check(cfg)
+    check_keys(cfg.cluster)
+    check_data_config(cfg.data)
     t = cfg.trainer
     cut, augment = cfg.data.get("cutout", 0), cfg.data.get("augment", "none")
     # "auto" is resolved when the images are read (the loader checks it then)

@@ -23,8 +23,8 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import ConfigError
 from src.decode import EncodedImages, FileImages, decode_file, unreadable
+from src.errors import ConfigError
 from src.schema import refuse_lookalikes
 
 log = logging.getLogger(__name__)

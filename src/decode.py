@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from src.config import ConfigError
+from src.errors import ConfigError
 
 # JPEG frame markers: baseline and extended sequential Huffman (what nvjpeg's batched decoder takes)
 _SEQUENTIAL = {0xC0, 0xC1}

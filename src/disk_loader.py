@@ -13,9 +13,9 @@ import logging
 import torch
 
 from src.augment import DiskCrops, to_device
-from src.config import ConfigError
 from src.datasets import DataBundle, Split
 from src.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
+from src.errors import ConfigError
 from src.loaders import AUTO_GPU_DECODING_WORKERS, ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ import uuid
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from src.config import ConfigError, plan_layout
+from src.config import plan_layout
 from src.distributed import rank_env
+from src.errors import ConfigError
 from src.resume import already_completed, reconcile
 from src.runlock import RunLock, hold_as_rank
 from src.signals import (

@@ -15,7 +15,7 @@ from typing import Literal
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import ConfigError
+from src.errors import ConfigError
 
 # Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
 METRICS = (

@@ -9,7 +9,7 @@ from typing import Annotated
 import torch
 from torch import nn
 
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.schema import Positive, PositiveReal
 
 

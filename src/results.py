@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import ConfigError, Layout
+from src.config import Layout
+from src.errors import ConfigError
 
 log = logging.getLogger("ddplab")
 

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoint import Unreadable, find, load
 from src.commands import train_command
-from src.schema import ConfigError
+from src.errors import ConfigError
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
 # strategy and device count may change because the global batch, not the per-device one, defines the math.

@@ -14,7 +14,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from src.config import ConfigError
+from src.errors import ConfigError
 
 RANKS = ".lock.ranks"  # each rank started by the local launcher holds a shared lock on it while it lives
 

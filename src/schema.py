@@ -19,9 +19,7 @@ from typing import Annotated, Any, Literal, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A bad input. The message is one line that says what to change."""
+from src.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -241,9 +239,4 @@ def check(cfg: DictConfig) -> None:
         )
     for name, options in (cfg.get("logger") or {}).items():
         check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
-    from src.cluster import check_keys
-    from src.datasets import check_data_config
-
-    check_keys(cfg.cluster)
     refuse_lookalikes(cfg.paths, "paths", ("root_dir", "data_dir", "log_dir", "output_dir"))
-    check_data_config(cfg.data)

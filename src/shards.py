@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from src.config import ConfigError
 from src.decode import EncodedImages, as_tensor, decode_cpu, unreadable
+from src.errors import ConfigError
 from src.signals import Interrupted, interrupt_outside_training
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src import checkpoint as ckpt
-from src.schema import ConfigError
+from src.errors import ConfigError
 
 log = logging.getLogger("ddplab")
 

@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.commands import module_command
-from src.config import ConfigError
+from src.errors import ConfigError
 
 ERROR_FILE = "error.txt"
 BOOKKEEPING = (".hydra", ".lock", ERROR_FILE)  # with *.log: what Hydra and we write before a point trains

@@ -15,12 +15,14 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from src.commands import train_command
-from src.config import ConfigError, Layout, plan_layout
+from src.config import Layout, plan_layout
 from src.datasets import load_data
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
 from src.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
+from src.errors import ConfigError
 from src.evaluate import evaluate
-from src.loaders import build_loader, eval_shard, plan_epoch
+from src.loader_choice import build_loader
+from src.loaders import eval_shard, plan_epoch
 from src.meter import EpochMeter
 from src.models import build_model
 from src.objective import build_loss_terms
@@ -155,11 +157,6 @@ class Trainer:
         )
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))
-        if cfg.train and not self.steps_per_epoch:
-            raise ConfigError(
-                f"data.batch_size={self.layout.global_batch} leaves 0 training steps per epoch for "
-                f"{len(self.data.train)} training images; lower data.batch_size"
-            )
         self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
         self.scheduler = instantiate(cfg.scheduler)(
             self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
@@ -360,9 +357,10 @@ class Trainer:
                     )
                 is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
                 saved = self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
+                stopping = stop.agreed(0, self.layout.world_size, self.device, 1)  # one came during the evaluation
                 if self.primary:
                     self.reporter.epoch(row)
-                if stop.agreed(0, self.layout.world_size, self.device, 1):  # it came during the evaluation
+                if stopping:  # (one that comes from here on stops the next epoch's steps)
                     self._say_saved(stop, saved[-1], f"at the end of epoch {epoch + 1}")
                     stop.hand_over()
         finally:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from src import checkpoint as ckpt
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.runlock import RunLock
 from tests.conftest import ROOT
 
@@ -80,7 +80,7 @@ def test_write_cut_short_by_file_size_limit(tmp_path):
         import resource, signal, sys, torch
         from pathlib import Path
         from src import checkpoint as ckpt
-        from src.config import ConfigError
+        from src.errors import ConfigError
         from tests.test_checkpoint import big_state
         path = Path({str(tmp_path / "last.pt")!r})
         ckpt.save_atomic(big_state(1.0), path)

@@ -16,8 +16,8 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf, open_dict
 
 from src import datasets, shards
-from src.config import ConfigError
 from src.datasets import DataBundle, Split, carve_val, check_data_config, load_data, stratified_split
+from src.errors import ConfigError
 from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
 
 DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synthetic")

@@ -19,11 +19,12 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from src.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
-from src.config import ConfigError
 from src.datasets import load_data
 from src.decode import as_tensor, decode_cpu, gpu_decodable
 from src.disk_loader import DiskLoader, gpu_decoded
-from src.loaders import build_loader, cpus_of_this_process, plan_epoch, resolve_workers
+from src.errors import ConfigError
+from src.loader_choice import build_loader
+from src.loaders import cpus_of_this_process, plan_epoch, resolve_workers
 from src.trainer import train
 from tests.conftest import make_cfg
 
@@ -412,7 +413,8 @@ import sys
 from multiprocessing import resource_sharer
 from pathlib import Path
 import torch
-from src.loaders import build_loader, plan_epoch
+from src.loader_choice import build_loader
+from src.loaders import plan_epoch
 from tests.test_decode import disk_data, write_tree
 tmp = Path(sys.argv[1])
 write_tree(tmp / "tree", per_class=(20, 4))

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar
 
 import pytest
 
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.launch import main as launch
 from src.schema import Positive
 from src.strategies import Single

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.launch import main as launch
 from src.resume import reconcile
 from tests.conftest import ROOT, read_metrics, run_cli, start_train, start_until_checkpoint, weights
@@ -125,9 +125,12 @@ def test_divergence_stops_with_status_diverged_and_keeps_the_last_good_checkpoin
     assert start.hparams["status"].string_value == "diverged"
 
 
-def test_zero_steps_per_epoch_is_an_error_before_training(cfg_factory):
-    with pytest.raises(ConfigError, match="leaves 0 training steps per epoch"):
-        launch(cfg_factory("data.batch_size=100000", "trainer.compile=true"))
+def test_a_batch_larger_than_the_training_split_is_an_error_before_training(cfg_factory):
+    # compiled, the short last batch is dropped: it was 0 steps an epoch; eager, 1 step of every image, logged as
+    # the batch asked for
+    for compiled in ("true", "false"):
+        with pytest.raises(ConfigError, match="is larger than the 1221 training images; set at most 1221"):
+            launch(cfg_factory("data.batch_size=100000", f"trainer.compile={compiled}"))
 
 
 def test_fsdp_keeps_batchnorm_buffers_identical_on_every_rank(cfg_factory, tmp_path):

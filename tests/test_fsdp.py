@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from src import checkpoint as ckpt
-from src.config import ConfigError, plan_layout
+from src.config import plan_layout
+from src.errors import ConfigError
 from src.launch import main as launch
 from src.models import TinyCNN
 from src.schema import Positive

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from src.config import ConfigError
 from src.efficiency import memory_stats, mfu, peak_flops, reset_peak, train_step_flops
+from src.errors import ConfigError
 from src.models import build_model
 from tests.conftest import run_cli
 

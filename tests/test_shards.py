@@ -18,9 +18,10 @@ import torch
 import torchvision
 
 from src import shards
-from src.config import ConfigError
 from src.datasets import load_data
-from src.loaders import build_loader, plan_epoch
+from src.errors import ConfigError
+from src.loader_choice import build_loader
+from src.loaders import plan_epoch
 from src.trainer import train
 from tests.conftest import ROOT, make_cfg, run_cli
 from tests.test_decode import pil_rgb, write_tree

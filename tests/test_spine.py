@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from src.config import ConfigError
 from src.datasets import load_data
+from src.errors import ConfigError
 from src.launch import main as launch
 from src.models import build_model
 from src.trainer import train
@@ -452,7 +452,7 @@ def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model=nope", "Could not find 'model/nope'"),
+        ("model=nope", "model=nope is not a model option ("),
         ("data.batch_size=101", "data.batch_size=101 (global) is not divisible"),
         ("trainer.max_epochs=two", "trainer.max_epochs must be a positive integer"),
     ],
@@ -530,7 +530,7 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
 def test_data_errors(tmp_path, cfg_factory):
     from PIL import Image
 
-    from src.loaders import build_loader
+    from src.loader_choice import build_loader
 
     # imagefolder's augment=auto becomes random_resized_crop for large images: found when the data is read
     cfg = cfg_factory("data=imagefolder", f"data.root={tmp_path}/big", "data.cutout=4", "data.val_fraction=0")

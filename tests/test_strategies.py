@@ -270,7 +270,7 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
 
 
 def test_fsdp_with_unshardable_model_fails_before_any_process(cfg_factory):
-    from src.config import ConfigError
+    from src.errors import ConfigError
 
     with pytest.raises(ConfigError, match="matches no module of the model"):
         launch(cfg_factory("strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=[Transformer]"))
@@ -293,7 +293,7 @@ def test_ddp_fp16_gradient_compression_trains_close_to_exact(single_reference, c
 
 
 def test_bad_input_found_inside_the_ranks_is_still_a_config_error(tmp_path, cfg_factory):
-    from src.config import ConfigError
+    from src.errors import ConfigError
 
     # the image size is known only once the ranks read the data
     with pytest.raises(ConfigError, match=r"trainer.tta_shift=8 must be smaller than the images \(8x8\)"):

@@ -58,10 +58,10 @@ def test_failed_points_are_one_line_each_and_summed_up_at_the_end(sweep):
     failed = sorted(job("x", k) for k in ("ddp", "single"))
     said = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
     assert [line.split(": ", 2)[1] for line in said] == failed  # as each one failed
-    assert all(line.endswith("seed must be an integer, got 'x'") for line in said), said
+    assert all(line.endswith("seed must be an integer >= 0 and <= 4294967295, got 'x'") for line in said), said
     summary = proc.stderr[proc.stderr.index("sweep: 2 point(s) failed:") :].splitlines()[1:3]
     assert [line.split(": ", 1)[0].strip() for line in summary] == failed, summary  # again at the end
-    assert all(line.endswith("seed must be an integer, got 'x'") for line in summary), summary
+    assert all(line.endswith("seed must be an integer >= 0 and <= 4294967295, got 'x'") for line in summary), summary
 
 
 def test_report_table_matches_the_jobs(sweep):

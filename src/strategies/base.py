@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src import checkpoint as ckpt
-from src.schema import ConfigError
+from src.errors import ConfigError
 from src.strategies.blocks import shard_targets
 
 

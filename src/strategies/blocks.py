@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from src.schema import ConfigError
+from src.errors import ConfigError
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from src import checkpoint as ckpt
-from src.schema import ConfigError, Positive
+from src.errors import ConfigError
+from src.schema import Positive
 from src.strategies.base import Context, _broadcast_from_rank0, _Distributed
 from src.strategies.blocks import _replace, shard_targets
 
