@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from src.config import ConfigError
+from src.errors import ConfigError
 from src.launch import RankFailed
 from src.launch import main as run
 from src.signals import Interrupted
