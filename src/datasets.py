@@ -1,7 +1,8 @@
 """The `data/` group: load a dataset into train / val / test splits.
 
 Each conf/data/<name>.yaml names its builder with `_target_` (a function taking the data config and returning
-a DataBundle); adding a dataset is one such function and one YAML starting with `defaults: [_common, _self_]`.
+a DataBundle); adding a dataset is one such function and one YAML starting with
+`defaults: [/data_common@_here_, _self_]`.
 Small datasets (digits, CIFAR, synthetic, ImageFolders that fit `data.max_memory_gb`) become uint8
 tensors N x C x H x W in memory, which both loaders (src/loaders.py) index directly. Larger
 ImageFolders (and packed shards, src/shards.py) stay on disk as encoded images (src/decode.py), decoded
@@ -64,7 +65,7 @@ def _is_range(value, upper: float | None = None) -> bool:
     )
 
 
-# key: (test, what a valid value is). The shared keys (conf/data/_common.yaml) must be present.
+# key: (test, what a valid value is). The shared keys (conf/data_common.yaml) must be present.
 SHARED_KEYS = {
     "batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
     "eval_batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
@@ -142,7 +143,9 @@ def check_data_config(cfg: DictConfig) -> None:
     _check_keys(cfg, builder)
     absent = [key for key in SHARED_KEYS if key not in cfg]
     if absent:
-        raise ConfigError(f"data.{absent[0]} is missing; start the data YAML with `defaults: [_common, _self_]`")
+        raise ConfigError(
+            f"data.{absent[0]} is missing; start the data YAML with `defaults: [/data_common@_here_, _self_]`"
+        )
     for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
         if key in cfg and not ok(cfg[key]):
             raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")

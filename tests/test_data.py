@@ -1,5 +1,5 @@
-"""The data group: builders named by `_target_`, shared keys composed from `_common`, the content-keyed decode
-cache, and one-line errors for bad data and bad data settings."""
+"""The data group: builders named by `_target_`, shared keys composed from `conf/data_common.yaml`, the
+content-keyed decode cache, and one-line errors for bad data and bad data settings."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
 DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synthetic")
 
 # The data config of every option and experiment, recorded from the YAMLs before the shared keys moved to
-# conf/data/_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
+# conf/data_common.yaml (unresolved, so interpolations are compared as written). `_target_` is new, and so are
 # the keys of images read from disk (issue 16: GPU decoding, the GPU's share with decode=split, where crops run,
 # random resized crop ranges, skipping bad images).
 ON_DISK = {
@@ -193,7 +193,7 @@ def test_every_data_yaml_names_its_builder(option):
     assert get_method(target) is BUILDERS[option]
 
 
-# --- 2. the shared keys live in _common.yaml ---------------------------------------------------------------
+# --- 2. the shared keys live in conf/data_common.yaml ------------------------------------------------------
 
 
 @pytest.mark.parametrize("option", DATA_OPTIONS)
@@ -212,12 +212,12 @@ def test_experiments_compose_to_the_data_values_before(experiment):
 
 @pytest.mark.parametrize("option", DATA_OPTIONS)
 def test_data_yamls_hold_only_their_own_keys(option):
-    common = yaml.safe_load((ROOT / "conf/data/_common.yaml").read_text())
+    common = yaml.safe_load((ROOT / "conf/data_common.yaml").read_text())
     own = yaml.safe_load((ROOT / f"conf/data/{option}.yaml").read_text())
-    assert own.pop("defaults") == ["_common", "_self_"]
+    assert own.pop("defaults") == ["/data_common@_here_", "_self_"]
     assert {"_target_", "name"} <= set(own)
     repeated = {k: v for k, v in own.items() if k in common and common[k] == v}
-    assert not repeated, f"{option}.yaml repeats _common.yaml: {repeated}"
+    assert not repeated, f"{option}.yaml repeats data_common.yaml: {repeated}"
 
 
 # --- 3. the decode cache is keyed by the files' content -------------------------------------------------
@@ -463,8 +463,11 @@ def test_the_checks_run_before_any_data_is_read(tmp_path):
         del cfg.data.batch_size
     with pytest.raises(ConfigError, match=r"data.batch_size is missing; start the data YAML with `defaults"):
         check_data_config(cfg.data)
+    cfg = make_cfg(tmp_path)
+    with open_dict(cfg):
+        del cfg.data._target_
     with pytest.raises(ConfigError, match="data._target_ is not set"):
-        check_data_config(make_cfg(tmp_path, "data=_common").data)
+        check_data_config(cfg.data)
 
 
 @pytest.mark.parametrize("option", DATA_OPTIONS)

@@ -817,7 +817,9 @@ def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args
 
 
 def test_hydra_flags_and_added_keys_are_left_to_hydra(tmp_path):
-    assert "== Configuration groups ==" in run_cli("--help", cwd=tmp_path).stdout
+    helped = run_cli("--help", cwd=tmp_path).stdout
+    assert "== Configuration groups ==" in helped
+    assert "data: cifar10, cifar100, digits, imagefolder, shards, synthetic\n" in helped  # was: _common listed too
     proc = run_cli("debug=fast", "+model.kwargs.foo=1", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0 and "foo: 1" in proc.stdout, proc.stderr[-2000:]
     proc = run_cli("debug=fast", "data=shards", f"data.root={tmp_path}/none", cwd=tmp_path)  # a ??? key is a key
