@@ -11,6 +11,7 @@ from src.errors import ConfigError
 from src.launch import RankFailed
 from src.launch import main as run
 from src.signals import Interrupted
+from src.sweep import remove_refused_run_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -24,6 +25,8 @@ def main(cfg: DictConfig) -> float | None:
             raise  # this sweep point fails; src/sweep.py says so in one line and the sweep carries on
         logging.getLogger("ddplab").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, ConfigError):
+            remove_refused_run_dir()
         sys.exit(2 if isinstance(exc, ConfigError) else 1)
     except (Interrupted, KeyboardInterrupt) as exc:  # during the training steps a stop checkpoints instead
         signum = getattr(exc, "signum", signal.SIGINT)

@@ -26,7 +26,7 @@ from src.commands import module_command
 from src.errors import ConfigError
 
 ERROR_FILE = "error.txt"
-BOOKKEEPING = (".hydra", ".lock", ERROR_FILE)  # with *.log: what Hydra and we write before a point trains
+BOOKKEEPING = (".hydra", ".lock", ".lock.ranks", ERROR_FILE)  # with *.log: what is written before a run trains
 
 
 def _one_line(exc: BaseException) -> str:
@@ -56,6 +56,20 @@ def _make(path: Path, key: str, undo: bool = False) -> None:
             made.rmdir()
 
 
+MADE_HERE: list[Path] = []  # the folders this single run's invocation made (its run dir and missing parents)
+
+
+def remove_refused_run_dir() -> None:
+    """A single run refused before it trained leaves no directory: only if this invocation made it and it holds
+    nothing but what Hydra and the run lock write first."""
+    if not MADE_HERE or not _nothing_ran(MADE_HERE[0]):
+        return
+    shutil.rmtree(MADE_HERE[0], ignore_errors=True)
+    for parent in MADE_HERE[1:]:  # e.g. outputs/runs/<date>, when this run was its first
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
 class SweepReport(Callback):
     """Registered in conf/train.yaml; also checks that a single run's directory can be made."""
 
@@ -63,7 +77,9 @@ class SweepReport(Callback):
         # the default dir lies under ${hydra:runtime.cwd}, which resolves once HydraConfig is set; Hydra sets it
         # again for the job. run_stamp is cached on this config, so the job gets the folder made here
         HydraConfig.instance().set_config(config)
-        _make(Path(config.hydra.run.dir), "hydra.run.dir")
+        run_dir = Path(config.hydra.run.dir)
+        MADE_HERE[:] = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
+        _make(run_dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from src.cluster import refuse_unreachable_slurm

@@ -834,3 +834,15 @@ def test_ddp_evaluation_into_a_run_dir_no_one_made_yet_works(finished_run, cfg_f
     assert not (tmp_path / "run").exists()
     assert launch(cfg)["test_count"] > 0
     assert json.loads((tmp_path / "run/eval.json").read_text())["status"] == "evaluated"
+
+
+def test_a_refused_run_leaves_no_directory_but_keeps_one_it_did_not_make(tmp_path):
+    proc = run_cli("debug=fast", "optim.lr=-1", f"hydra.run.dir={tmp_path}/new/run", cwd=tmp_path)
+    _one_line_error(proc, "optim.lr must be a number > 0")
+    assert list(tmp_path.iterdir()) == []  # was: new/run/.hydra/ and train.log
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    proc = run_cli("debug=fast", "optim.lr=-1", f"hydra.run.dir={mine}", cwd=tmp_path)
+    _one_line_error(proc, "optim.lr must be a number > 0")
+    assert (mine / "notes.txt").read_text() == "kept"
