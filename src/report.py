@@ -344,7 +344,9 @@ def main(argv=None) -> int:
         help="sweep directories (multirun/<date>/<time>) or quoted globs; "
         "default: the newest sweep under multirun/ with results",
     )
-    parser.add_argument("--out", help="directory for results.md/.csv/.png (default: the first sweep directory)")
+    parser.add_argument(
+        "--out", help="directory for results.md/.csv/.png (default: the sweep's own directory; needed for several)"
+    )
     parser.add_argument("--by-sweep", action="store_true", help="keep the same configuration in different sweeps apart")
     args = parser.parse_args(argv)
     try:
@@ -358,6 +360,8 @@ def main(argv=None) -> int:
             print(f"report: the newest sweep with results: {newest}", file=sys.stderr)
             args.sweeps = [str(newest)]
         sweeps = _sweep_dirs(args.sweeps)
+        if len(sweeps) > 1 and not args.out:  # a pooled table must not replace one sweep's own results
+            raise ReportError(f"{len(sweeps)} sweeps pooled: pass --out DIR for their table (each keeps its own)")
     except ReportError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2

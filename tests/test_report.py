@@ -137,17 +137,20 @@ def test_several_sweeps_pooled_or_by_sweep(tmp_path, capsys):
         for seed in seeds:
             make_job(d, ["strategy=ddp", f"seed={seed}"], final_metrics("ddp", seed))
 
-    assert report.main([str(tmp_path / "mr" / "day" / "*")]) == 0  # quoted glob, pooled
+    pooled_dir = tmp_path / "pooled"
+    assert report.main([str(tmp_path / "mr" / "day" / "*")]) == 2  # was: written into a's own results
+    assert "pass --out DIR" in capsys.readouterr().err and not (a / "results.csv").exists()
+    assert report.main([str(tmp_path / "mr" / "day" / "*"), "--out", str(pooled_dir)]) == 0  # quoted glob, pooled
     (pooled,) = report.aggregate(report.find_jobs(tmp_path / "mr"))
     assert pooled["n"] == 3 and pooled["sweep"] is None
     assert pooled["test_top1_mean"] == pytest.approx(expected("ddp", [0, 1, 2], "test_top1")[0])
-    assert (a / "results.csv").exists() and not (b / "results.csv").exists()  # first sweep dir
+    assert (pooled_dir / "results.csv").exists() and not (a / "results.csv").exists()
 
-    assert report.main([str(a), str(b), "--by-sweep"]) == 0
-    with open(a / "results.csv", newline="") as f:
+    assert report.main([str(a), str(b), "--by-sweep", "--out", str(pooled_dir)]) == 0
+    with open(pooled_dir / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["sweep"], r["n"]) for r in rows] == [(str(a), "2"), (str(b), "1")]
-    assert report.main([str(a), str(tmp_path / "mr")]) == 0  # overlapping paths: no job counted twice
+    assert report.main([str(a), str(tmp_path / "mr"), "--out", str(pooled_dir)]) == 0  # overlapping: counted once
     assert "| `strategy=ddp` | 3 | 0 |" in capsys.readouterr().out.split("# Sweep report")[-1]
 
 
