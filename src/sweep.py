@@ -62,7 +62,7 @@ MADE_HERE: list[Path] = []  # the folders this single run's invocation made (its
 def remove_refused_run_dir() -> None:
     """A single run refused before it trained leaves no directory: only if this invocation made it and it holds
     nothing but what Hydra and the run lock write first."""
-    if not MADE_HERE or not _nothing_ran(MADE_HERE[0]):
+    if not MADE_HERE or not _primary() or not _nothing_ran(MADE_HERE[0]):  # (ranks of torchrun run Hydra too)
         return
     shutil.rmtree(MADE_HERE[0], ignore_errors=True)
     for parent in MADE_HERE[1:]:  # e.g. outputs/runs/<date>, when this run was its first
