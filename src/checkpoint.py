@@ -123,10 +123,6 @@ def _unreadable(path: Path, exc: BaseException) -> Unreadable:
     return Unreadable(path, f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}")
 
 
-def _read(path: Path, what: Path) -> dict:
-    return safe_torch_load(path, what)
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """A sharded checkpoint's `.metadata` is a pickle (torch's DCP reads it with pickle.load): here only the
     classes DCP writes there are found; any other global is refused before it is called."""
@@ -234,13 +230,13 @@ def load(path: Path | str) -> dict:
                 f"{path} is not a ddplab checkpoint (a sharded one holds .metadata and {STATE}); "
                 f"pass a checkpoint written by train.py"
             )
-        return _read(path, path / STATE)
+        return safe_torch_load(path, path / STATE)
     if not path.is_file():
         raise ConfigError(
             f"checkpoint {path} does not exist; pass one train.py wrote (a run's checkpoints/last.pt or best.pt, "
             f"or checkpoints/last/ of a sharded fsdp run)"
         )
-    state = _read(path, path)
+    state = safe_torch_load(path, path)
     if not isinstance(state, dict) or "model" not in state:
         raise ConfigError(f"{path} is not a ddplab checkpoint (no 'model' entry); pass a file written by train.py")
     return state

@@ -681,6 +681,12 @@ class _RunsCode:
         return os.system, (f"touch '{self.marker}'",)
 
 
+def _export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
+    """`python -m src.checkpoint export <checkpoint> <out>`, as a user runs it."""
+    command = [sys.executable, "-m", "src.checkpoint", "export", str(checkpoint), str(out)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+
+
 def _crafted_full(path: Path, marker: Path) -> Path:
     torch.save({"model": {}, "config": {}, "epoch": _RunsCode(marker)}, path)
     return path
@@ -704,12 +710,7 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(tmp_path, how):
         (run_dir / "checkpoints").mkdir(parents=True)
         given = _crafted_full(run_dir / "checkpoints/last.pt", marker)
     if how == "export":
-        proc = subprocess.run(
-            [sys.executable, "-m", "src.checkpoint", "export", str(given), str(tmp_path / "out.pt")],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
+        proc = _export(given, tmp_path / "out.pt")
     else:
         args = {"eval": ["train=false", f"ckpt_path={given}"], "resume": [f"trainer.resume={given}"]}.get(how, [])
         proc = run_cli("debug=fast", *args, f"hydra.run.dir={run_dir}")
@@ -750,12 +751,7 @@ def test_a_crafted_sharded_checkpoint_is_refused_and_runs_nothing(tmp_path, part
         with pytest.raises(ConfigError, match="is refused: it asks to load posix.system") as info:
             read(directory)
         assert "\n" not in str(info.value)
-    proc = subprocess.run(
-        [sys.executable, "-m", "src.checkpoint", "export", str(directory), str(tmp_path / "out.pt")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    proc = _export(directory, tmp_path / "out.pt")
     _one_line_error(proc, "is refused")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
 
@@ -789,12 +785,7 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
     with pytest.raises(ConfigError, match=f"checkpoint {directory} is unreadable") as info:
         ckpt.load_full(directory)  # what evaluation, fsdp resume and export read (was: DCP's multi-line error)
     assert "\n" not in str(info.value)
-    proc = subprocess.run(
-        [sys.executable, "-m", "src.checkpoint", "export", str(directory), str(tmp_path / "out.pt")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    proc = _export(directory, tmp_path / "out.pt")
     _one_line_error(proc, "is unreadable")
 
 
