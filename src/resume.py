@@ -73,13 +73,19 @@ def already_completed(cfg: DictConfig, overrides: list[str] | None) -> dict | No
             f"leave trainer.resume at auto, or train in another hydra.run.dir"
         )
     explicit = _explicit(overrides)
-    now, before = _flat(OmegaConf.to_container(cfg, resolve=True)), _flat(metrics.get("config") or {})
-    changed = [
+    tree, saved = OmegaConf.to_container(cfg, resolve=True), metrics.get("config") or {}
+    other = [group for group in _groups_chosen(saved, tree) if _set_by_user(group, explicit)]
+    changed = [f"{group}={_option(tree[group])} (run: {_option(saved[group])})" for group in other]
+    now, before = _flat(tree), _flat(saved)
+    changed += [
         f"{key}={now[key]!r} (run: {before[key]!r})"
         for key in sorted(set(now) & set(before))
         if now[key] != before[key]
-        and _set_by_user(key, explicit)
-        and (not _may_change(key) or key in CHANGES_RECORDED_NUMBERS)
+        and key.split(".")[0] not in other
+        and (
+            (not _may_change(key) and _set_by_user(key, explicit))
+            or (key in CHANGES_RECORDED_NUMBERS and _named(key, explicit))
+        )
     ]
     if changed:
         best = find(run_dir / "checkpoints", "best") or find(run_dir / "checkpoints", "last")
@@ -117,21 +123,36 @@ def _set_by_user(key: str, explicit: set[str] | None) -> bool:
     return any(key == k or key.startswith(k + ".") for k in explicit)  # `model=x` sets model.*
 
 
-def _groups_chosen_otherwise(saved: dict, now: dict, explicit: set[str] | None) -> list[str]:
-    """Config groups (data, model, optim, ...) whose option this command line leaves to the defaults while the
-    checkpoint's run chose another (`data=shards` then, `data: digits` now): key by key they would mix two
-    options, so the checkpoint's group is taken whole."""
+def _named(key: str, explicit: set[str] | None) -> bool:
+    """Set on this command line by name (`data.root=...`), not as part of a group's option (`data=cifar10`)."""
     if explicit is None:
-        return []
+        return True
+    return any(key == k or ("." in k and key.startswith(k + ".")) for k in explicit)
+
+
+def _option(group: dict) -> str:
+    return str(group.get("name") or group.get("_target_"))
+
+
+def _groups_chosen(saved: dict, now: dict) -> list[str]:
+    """Config groups whose option differs between the checkpoint's run and now (`data: digits` vs `cifar10`)."""
     return [
         group
         for group, was in saved.items()
         if isinstance(was, dict)
         and isinstance(now.get(group), dict)
         and not _may_change(group)
-        and not any(k == group for k in explicit)
         and any(was.get(k) != now[group].get(k) for k in ("_target_", "name"))
     ]
+
+
+def _groups_chosen_otherwise(saved: dict, now: dict, explicit: set[str] | None) -> list[str]:
+    """Config groups (data, model, optim, ...) whose option this command line leaves to the defaults while the
+    checkpoint's run chose another (`data=shards` then, `data: digits` now): key by key they would mix two
+    options, so the checkpoint's group is taken whole."""
+    if explicit is None:
+        return []
+    return [group for group in _groups_chosen(saved, now) if not any(k == group for k in explicit)]
 
 
 def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
@@ -187,11 +208,13 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
             f"drop these overrides to continue it, or start a new run (another hydra.run.dir)"
         )
     # where it ran too, unless this command line says otherwise: the printed resume command continues a ddp
-    # run as ddp (a BatchNorm model's result depends on the per-device batch)
+    # run as ddp (a BatchNorm model's result depends on the per-device batch). A command line naming the
+    # strategy (strategy=single) takes the device count from its own defaults, not from the checkpoint.
     layout = {k: saved[k] for k in ("strategy",) if k in saved and not _set_by_user(k, explicit)}
-    for key in ("trainer.devices", "trainer.device"):
-        if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
-            kept[key] = before[key]
+    if not _set_by_user("strategy", explicit):
+        for key in ("trainer.devices", "trainer.device"):
+            if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
+                kept[key] = before[key]
     if kept or layout or groups:
         merged = {**tree, **layout}
         for group in groups:  # the checkpoint's group, with what this command line may change in it

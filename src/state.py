@@ -48,6 +48,7 @@ class Checkpoints:
     def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
         self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
+        self.resumed_from: Path | None = None
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
             ckpt.remove_partial_writes(self.dir)
 
@@ -90,6 +91,7 @@ class Checkpoints:
 
     def restore(self, path: Path) -> Progress:
         state = self.load_weights(path, with_optimizer=True)
+        self.resumed_from = Path(path)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
@@ -105,4 +107,9 @@ class Checkpoints:
         )
 
     def final_weights(self) -> Path:
-        return ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last") or self.dir / "last.pt"
+        """The best epoch's weights; a run resumed from another dir's checkpoint with no epoch left to train
+        has none of its own: that run's best, else the checkpoint it resumed from."""
+        own = ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last")
+        if own is None and self.resumed_from is not None:
+            return ckpt.find(self.resumed_from.parent, "best") or self.resumed_from
+        return own or self.dir / "last.pt"

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import open_dict
 
 from src.errors import ConfigError
 from src.launch import main as launch
-from src.resume import reconcile
+from src.resume import already_completed, reconcile
 from tests.conftest import ROOT, read_metrics, run_cli, start_train, start_until_checkpoint, weights
 
 
@@ -90,6 +91,40 @@ def test_reconcile_fills_unset_keys_from_the_checkpoint_and_refuses_set_ones(fin
         reconcile(cfg, overrides=["trainer.max_epochs=2"])
     with pytest.raises(ConfigError, match="trainer.max_epochs"):
         reconcile(cfg, overrides=None)  # a config composed in Python: every difference counts as set
+
+
+def test_a_resume_naming_the_strategy_takes_the_device_count_from_its_own_defaults(finished_run, cfg_factory, tmp_path):
+    state = torch.load(finished_run / "checkpoints/last.pt", weights_only=True)
+    state["config"]["strategy"] = {"_target_": "src.strategies.DDP"}
+    state["config"]["trainer"]["devices"] = 2  # as if a ddp run on two devices had saved it
+    torch.save(state, tmp_path / "ddp.pt")
+    cfg = cfg_factory(f"trainer.resume={tmp_path / 'ddp.pt'}")
+    kept = reconcile(cfg, overrides=[f"trainer.resume={tmp_path / 'ddp.pt'}"])
+    assert kept.trainer.devices == 2 and kept.strategy._target_ == "src.strategies.DDP"  # the printed resume command: as it ran
+    moved = reconcile(cfg, overrides=["strategy=single", f"trainer.resume={tmp_path / 'ddp.pt'}"])
+    assert moved.trainer.devices == cfg.trainer.devices  # was: 2 kept, "strategy=single ... got trainer.devices=2"
+
+
+def test_resuming_a_finished_checkpoint_into_a_new_dir_tests_its_best_weights(finished_run, tmp_path):
+    proc = run_cli("debug=fast", f"trainer.resume={finished_run}/checkpoints/last.pt", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]  # was: "checkpoint <new dir>/checkpoints/last.pt does not exist"
+    assert read_metrics(tmp_path)["final"]["test_top1"] == read_metrics(finished_run)["final"]["test_top1"]
+
+
+def test_a_group_option_is_not_a_change_of_the_keys_inside_it(finished_run, cfg_factory):
+    cfg = cfg_factory()
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(finished_run)
+        cfg.data.eval_batch_size = 8  # as a data.root would differ from another working directory
+    metrics = already_completed(cfg, overrides=["data=digits"])  # was: "data.eval_batch_size=8 would change..."
+    assert metrics["final"]["test_top1"] == read_metrics(finished_run)["final"]["test_top1"]
+    with pytest.raises(ConfigError, match=r"data.eval_batch_size=8 \(run: "):
+        already_completed(cfg, overrides=["data.eval_batch_size=8"])
+    with open_dict(cfg):
+        cfg.data.name = "cifar10"
+    with pytest.raises(ConfigError, match=r"data=cifar10 \(run: digits\) would change") as refused:
+        already_completed(cfg, overrides=["data=cifar10"])
+    assert "eval_batch_size" not in str(refused.value)  # the group's option, not each of its keys
 
 
 def test_eval_only_writes_eval_json_and_takes_the_model_from_the_checkpoint(finished_run, tmp_path):
