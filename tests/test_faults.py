@@ -100,9 +100,9 @@ def test_a_resume_naming_the_strategy_takes_the_device_count_from_its_own_defaul
     torch.save(state, tmp_path / "ddp.pt")
     cfg = cfg_factory(f"trainer.resume={tmp_path / 'ddp.pt'}")
     kept = reconcile(cfg, overrides=[f"trainer.resume={tmp_path / 'ddp.pt'}"])
-    assert kept.trainer.devices == 2 and kept.strategy._target_ == "src.strategies.DDP"  # the printed resume command: as it ran
+    assert kept.trainer.devices == 2 and kept.strategy._target_ == "src.strategies.DDP"  # as it ran
     moved = reconcile(cfg, overrides=["strategy=single", f"trainer.resume={tmp_path / 'ddp.pt'}"])
-    assert moved.trainer.devices == cfg.trainer.devices  # was: 2 kept, "strategy=single ... got trainer.devices=2"
+    assert moved.trainer.devices == cfg.trainer.devices  # was: 2, "strategy=single ... got trainer.devices=2"
 
 
 def test_resuming_a_finished_checkpoint_into_a_new_dir_tests_its_best_weights(finished_run, tmp_path):
