@@ -37,7 +37,7 @@ test-fast: install  ## tests without the multi-process and SLURM ones
 	$(PY) -m pytest -q -m "not slow and not slurm" $(ARGS)
 
 report: install  ## results table of SWEEP=multirun/<date>/<time> (default: the newest sweep with results)
-	$(PY) -m src.report $(SWEEP)
+	$(PY) -m src.reporting.report $(SWEEP)
 
 tensorboard: install  ## TensorBoard over outputs/ and multirun/ (or LOGDIR=/SWEEP=...) on PORT (default 6006)
 	$(VENV)/bin/tensorboard $(if $(or $(LOGDIR),$(SWEEP)),--logdir $(or $(LOGDIR),$(SWEEP)),\
@@ -55,7 +55,7 @@ MAX_SIDE ?=
 SHARDS := data/imagenet-like-shards$(MAX_SIDE)
 bench-data: install  ## ImageNet-like folder data/imagenet-like (50k+10k ~100 KiB JPEGs from ZIP) + its shards (MAX_SIDE=256: re-encoded, in data/imagenet-like-shards256)
 	$(PY) bench/make_imagefolder.py --zip $(ZIP) --out data/imagenet-like --train 50000 --test 10000
-	[ -f $(SHARDS)/meta.json ] || $(PY) -m src.shards pack data/imagenet-like $(SHARDS) $(if $(MAX_SIDE),--max-side $(MAX_SIDE))
+	[ -f $(SHARDS)/meta.json ] || $(PY) -m src.data.shards pack data/imagenet-like $(SHARDS) $(if $(MAX_SIDE),--max-side $(MAX_SIDE))
 
 slurm-install:  ## install Debian's slurm-wlm + munge + slurmdbd + mariadb for the SLURM tests (needs root + apt)
 	@bash .ci/install_slurm.sh || echo "make: SLURM packages not installed; the SLURM tests will be skipped"

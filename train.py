@@ -7,11 +7,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from src.errors import ConfigError
-from src.launch import RankFailed
-from src.launch import main as run
-from src.signals import Interrupted
-from src.sweep import remove_refused_run_dir
+from src.config.errors import ConfigError
+from src.run.launch import RankFailed
+from src.run.launch import main as run
+from src.run.sweep import remove_refused_run_dir
+from src.state.signals import Interrupted
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.get().mode.name == "MULTIRUN":
-            raise  # this sweep point fails; src/sweep.py says so in one line and the sweep carries on
+            raise  # this sweep point fails; src/run/sweep.py says so in one line and the sweep carries on
         logging.getLogger("ddplab").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         if isinstance(exc, ConfigError):
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    from src.cli import problem
+    from src.config.cli import problem
 
     if said := problem(sys.argv[1:]):  # before Hydra, whose own messages take several lines
         print(f"error: {said}", file=sys.stderr)

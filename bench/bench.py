@@ -401,8 +401,8 @@ def child_ceiling(spec: dict) -> dict:
     from omegaconf import OmegaConf
 
     from src.models import build_model
-    from src.objective import build_loss_terms
-    from src.optim import build_optimizer
+    from src.run.objective import build_loss_terms
+    from src.run.optim import build_optimizer
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
@@ -472,11 +472,11 @@ def compose(overrides: list[str], output_dir: str):
 
 
 def child_loop(spec: dict) -> dict:
-    """`src.launch.main(cfg)` (it spawns the ranks of ddp/fsdp) and its metrics."""
+    """`src.run.launch.main(cfg)` (it spawns the ranks of ddp/fsdp) and its metrics."""
     import torch
 
-    from src.datasets import load_data
-    from src.launch import main
+    from src.data.datasets import load_data
+    from src.run.launch import main
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)
@@ -570,9 +570,9 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
     them after their warm-up, so that their timed batches overlap."""
     import torch
 
-    from src.datasets import load_data
-    from src.loader_choice import build_loader
-    from src.loaders import plan_epoch
+    from src.data.datasets import load_data
+    from src.data.loader_choice import build_loader
+    from src.data.loaders import plan_epoch
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)
@@ -654,7 +654,7 @@ def main() -> int:
         "workers share each batch: --override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or "
         "--shards; adds loader-* runs: the loader alone)",
     )
-    p.add_argument("--shards", help="a pack of the same images (python -m src.shards pack): data=shards runs too")
+    p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")

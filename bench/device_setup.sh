@@ -13,7 +13,7 @@ python3 -c "
 import os
 from hydra import compose, initialize_config_dir
 import src
-from src.datasets import load_data
+from src.data.datasets import load_data
 with initialize_config_dir(os.path.abspath('conf'), version_base='1.3'):
     cfg = compose('train', overrides=['experiment=cifar10_94', 'paths.root_dir=' + os.getcwd()])
 print(len(load_data(cfg.data).train), 'train images decoded')"

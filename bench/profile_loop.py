@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import src  # noqa: E402,F401  (registers the resolvers)
 from src.distributed import destroy_process_group  # noqa: E402
-from src.signals import StopRequest  # noqa: E402
-from src.trainer import prepare_run  # noqa: E402
+from src.run.trainer import prepare_run  # noqa: E402
+from src.state.signals import StopRequest  # noqa: E402
 
 
 def main():

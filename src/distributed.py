@@ -1,6 +1,6 @@
 """Where this process sits in the job (rank environment), the process group, and reductions.
 
-Ranks are started either by us (torch's elastic launcher, src/launch.py), by torchrun, by srun or by
+Ranks are started either by us (torch's elastic launcher, src/run/launch.py), by torchrun, by srun or by
 submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
 """
 
@@ -11,7 +11,6 @@ import os
 import random
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -99,83 +98,13 @@ def rank_env() -> RankEnv:
     )
 
 
-# --- Hydra resolvers: one run directory per run, decided once for all ranks -----------------------
-
-
-def _now_stamp() -> str:
-    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S.%f")
-
-
-def run_stamp() -> str:
-    """`<date>/<time with microseconds>`, the same on every rank of one job.
-
-    Under torchrun every rank runs Hydra; the first rank to ask stores its stamp in the launcher's
-    TCP store and all others read it back, also after an elastic restart (so resume finds the run).
-    Under SLURM the job id names the run, stable across requeues.
-    """
-    env = os.environ
-    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in env:
-        return f"slurm/{env.get('SLURM_ARRAY_JOB_ID', env['SLURM_JOB_ID'])}"
-    if "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and int(env.get("WORLD_SIZE", "1")) > 1:
-        store = dist.TCPStore(
-            env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
-        )
-        return store.compare_set("ddplab/run_stamp", "", _now_stamp()).decode()
-    return _now_stamp()
-
-
-def _env_rank() -> int:
+def env_rank() -> int:
     """This process's global rank as its launcher announces it, before any process group exists."""
     env = os.environ
     for key in ("RANK", "SUBMITIT_LOCAL_GLOBALID"):
         if key in env:
             return int(env[key])
     return int(env.get("SLURM_PROCID", 0)) if "SLURM_STEP_ID" in env else 0
-
-
-def rank_log_suffix() -> str:
-    rank = _env_rank()
-    return "" if rank == 0 else f"_rank{rank}"
-
-
-def _output_dir(root) -> Path | None:
-    from omegaconf import OmegaConf
-
-    try:
-        out = OmegaConf.select(root, "hydra.runtime.output_dir", default=None)
-    except Exception:  # not set yet (e.g. --cfg hydra): nothing to keep
-        return None
-    return Path(out) if out else None
-
-
-def record_subdir(value: str, *, _root_) -> str | None:
-    """hydra.output_subdir: rank 0 writes `.hydra/` once; a resume, an evaluation or a re-run in the same run dir
-    keeps the record of the run's own launch (its overrides name it in reports)."""
-    out = _output_dir(_root_)
-    if _env_rank() != 0 or (out is not None and (out / value / "config.yaml").exists()):
-        return None
-    return value
-
-
-def run_log(output_dir: str, name: str) -> str:
-    """The job's log file; a completed run's dir is left as it is (its log stays the run's own)."""
-    from src.resume import completed
-
-    return os.devnull if completed(Path(output_dir)) else f"{output_dir}/{name}{rank_log_suffix()}.log"
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    for name, fn in (
-        ("run_stamp", run_stamp),
-        ("rank_log_suffix", rank_log_suffix),
-    ):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=True)
-    for name, fn in (("record_subdir", record_subdir), ("run_log", run_log)):  # they look at the run dir each time
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=False)
 
 
 # --- process group -------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Annotated
 import torch
 from torch import nn
 
-from src.errors import ConfigError
-from src.schema import Positive, PositiveReal
+from src.config.errors import ConfigError
+from src.config.schema import Positive, PositiveReal
 
 
 def cifar_resnet18(num_classes: int, in_channels: int = 3) -> nn.Module:
@@ -96,7 +96,7 @@ class TinyCNN(nn.Module):
 
 def timm_classifier(
     name: str, num_classes: int, in_channels: int = 3, img_size: int | None = None, kwargs: Mapping | None = None
-) -> nn.Module:  # Mapping: a DictConfig passes src/schema.py
+) -> nn.Module:  # Mapping: a DictConfig passes src/config/schema.py
     """Any timm model, randomly initialised (pretrained=False: nothing is downloaded). img_size is for the
     models that fix their input size (ViTs); kwargs go to timm.create_model (e.g. patch_size, drop_path_rate)."""
     try:

@@ -76,7 +76,7 @@ def assert_compiled_loader_augments_like_eager(
 ) -> None:
     """The gpu loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
     (the classic path's arithmetic), bit for bit, in channels_last layout."""
-    from src.loaders import DeviceLoader, plan_epoch
+    from src.data.loaders import DeviceLoader, plan_epoch
 
     steps = plan_epoch(len(data.train), batch, 1, 0, 1, seed=seed, epoch=epoch, drop_last=True)
     cpu = torch.device("cpu")
@@ -92,7 +92,7 @@ def assert_compiled_loader_augments_like_eager(
 
 
 def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
-    from src.checkpoint import load_full
+    from src.state.checkpoint import load_full
 
     wa, wb = load_full(a)["model"], load_full(b)["model"]  # a .pt file or a sharded (fsdp) directory
     assert wa.keys() == wb.keys()

@@ -158,10 +158,12 @@ def strategies_table(out, *variants: str) -> list[str]:
 
 def test_strategies_table_marks_what_runs_out_of_memory_and_reports_what_fits(tmp_path):
     """bench/strategies_table.py --variant ...: a row per variant from its own metrics.json; a variant that runs
-    out of memory (a model that does on this CPU, tests/test_oom.py) is a row saying so, with train.py's line."""
+    out of memory (a model that does on this CPU, tests/run/test_oom.py) is a row saying so, with train.py's line."""
     out = tmp_path / "why.md"
     proc = subprocess.run(
-        strategies_table(out, "fits:strategy=single", "hungry:strategy=single model._target_=tests.test_oom.HungryCNN"),
+        strategies_table(
+            out, "fits:strategy=single", "hungry:strategy=single model._target_=tests.run.test_oom.HungryCNN"
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -205,7 +207,7 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     """--decode cpu,cpudecode,split: the workers crop (classic), only decode with the training process cropping
     (cpudecode), or share each batch with GPU-decoding workers (split; here those decode on the CPU device);
     each loader-* run reads, decodes and crops real JPEGs, and says which loader it measured."""
-    from tests.test_decode import write_tree
+    from tests.data.test_decode import write_tree
 
     write_tree(tmp_path / "tree", per_class=(32, 4))
     out = tmp_path / "b.json"
@@ -228,7 +230,7 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
 def test_loaders_at_once_sum_what_each_gpu_gets(tmp_path):
     """--gpus N adds loaderN-*: N loaders at once, one per device in a process of its own, timed from a common
     start; images/s is the sum of theirs. A loader that cannot start fails the run in one line, not a hang."""
-    from tests.test_decode import write_tree
+    from tests.data.test_decode import write_tree
 
     write_tree(tmp_path / "tree", per_class=(32, 4))
     out = tmp_path / "b.json"
@@ -268,7 +270,7 @@ def _children(pid: int, spawned: bool = False) -> list[int]:
 def test_a_loader_process_killed_outright_fails_the_run_at_once(tmp_path):
     """loaderN-*: a loader process SIGKILLed (as by the out-of-memory killer) sends no answer; the run says which
     one died, at once, instead of waiting for --timeout."""
-    from tests.test_decode import write_tree
+    from tests.data.test_decode import write_tree
 
     write_tree(tmp_path / "tree", per_class=(32, 4))
     out = tmp_path / "b.json"
@@ -309,7 +311,7 @@ def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
     GPUs; each command is a valid config."""
     import shlex
 
-    from src.datasets import check_data_config
+    from src.data.datasets import check_data_config
     from tests.conftest import make_cfg
 
     cmd = [sys.executable, str(ROOT / "bench/strategies_table.py"), "--scaling", model, "--dry-run"]

@@ -1,5 +1,5 @@
 """docs/extending.md's strategy recipe, followed with a toy strategy defined here (the dataset and logger
-recipes are followed in tests/test_data.py and tests/test_loggers.py)."""
+recipes are followed in tests/data/test_data.py and tests/reporting/test_loggers.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Annotated, ClassVar
 
 import pytest
 
-from src.errors import ConfigError
-from src.launch import main as launch
-from src.schema import Positive
+from src.config.errors import ConfigError
+from src.config.schema import Positive
+from src.run.launch import main as launch
 from src.strategies import Single
 
 
@@ -45,7 +45,7 @@ def test_a_strategy_is_one_class_and_one_config(cfg_factory, tmp_path):
 
 
 def test_a_new_strategys_options_are_checked_from_its_type_hints(cfg_factory):
-    from src.config import plan_layout
+    from src.run.plan import plan_layout
 
     with pytest.raises(ConfigError, match=r"strategy.every must be a positive integer, got 0"):
         plan_layout(cfg_factory(TARGET, "+strategy.every=0"))
@@ -55,13 +55,13 @@ def test_a_new_strategys_options_are_checked_from_its_type_hints(cfg_factory):
 
 def test_a_new_logger_receives_every_epoch_and_the_final_metrics_from_training(cfg_factory, tmp_path, monkeypatch):
     from tests.conftest import read_metrics
-    from tests.test_loggers import ToyLogger
+    from tests.reporting.test_loggers import ToyLogger
 
     monkeypatch.setattr(ToyLogger, "calls", [])
     launch(
         cfg_factory(
             "logger=none",
-            "+logger.toy={_target_: tests.test_loggers.ToyLogger, prefix: 'toy_'}",
+            "+logger.toy={_target_: tests.reporting.test_loggers.ToyLogger, prefix: 'toy_'}",
             "trainer.max_epochs=2",
         )
     )

@@ -16,9 +16,9 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from src.errors import ConfigError
-from src.launch import main as launch
-from src.resume import already_completed, reconcile
+from src.config.errors import ConfigError
+from src.run.launch import main as launch
+from src.state.resume import already_completed, reconcile
 from tests.conftest import ROOT, read_metrics, run_cli, start_train, start_until_checkpoint, weights
 
 
@@ -109,6 +109,16 @@ def test_resuming_a_finished_checkpoint_into_a_new_dir_tests_its_best_weights(fi
     proc = run_cli("debug=fast", f"trainer.resume={finished_run}/checkpoints/last.pt", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]  # was: "checkpoint <new dir>/checkpoints/last.pt does not exist"
     assert read_metrics(tmp_path)["final"]["test_top1"] == read_metrics(finished_run)["final"]["test_top1"]
+
+
+def test_a_checkpoint_written_before_the_package_split_still_resumes(finished_run, tmp_path):
+    state = torch.load(finished_run / "checkpoints/last.pt", weights_only=True)
+    state["config"]["data"]["_target_"] = "src.datasets.load_digits_data"  # where the code lived then
+    state["config"]["scheduler"]["_target_"] = state["config"]["scheduler"]["_target_"].replace("src.run.", "src.")
+    torch.save(state, tmp_path / "old.pt")
+    proc = run_cli("debug=fast", f"trainer.resume={tmp_path / 'old.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_metrics(tmp_path / "run")["final"]["test_top1"] == read_metrics(finished_run)["final"]["test_top1"]
 
 
 def test_a_group_option_is_not_a_change_of_the_keys_inside_it(finished_run, cfg_factory):
@@ -252,7 +262,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("overrides, message", BAD_VALUES)
 def test_bad_values_are_one_line_before_anything_runs(cfg_factory, overrides, message):
-    from src.config import plan_layout
+    from src.run.plan import plan_layout
 
     with pytest.raises(ConfigError) as info:
         plan_layout(cfg_factory(*overrides.split()))
@@ -341,18 +351,19 @@ def test_a_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
 # --- the fault table --------------------------------------------------------------------------------
 # Bad inputs and faults, each ending in its exit code (or the ConfigError the CLI prints as one `error:` line, exit
 # 2), one line without a traceback, and nothing lost. Besides the cases in this file, these count toward the table:
-# tests/test_data.py (18 bad data settings, 8 broken image folders and caches), tests/test_checkpoint.py (a file in
-# the way, a failing pickle, a full disk, a size limit, a truncated file, a live and a killed lock holder),
-# tests/test_models.py (6: unknown timm and torchvision names, settings ddplab owns), tests/test_spine.py (19 config
-# combinations, 4 data errors, 4 bad resume checkpoints), tests/test_slurm.py (3 bad layouts), tests/test_sweeps.py
-# (failing sweep points, refused sweeps), tests/test_signals.py (Ctrl-C, SIGTERM, SIGUSR2 while training).
+# tests/data/test_data.py (18 bad data settings, 8 broken image folders and caches), tests/state/test_checkpoint.py
+# (a file in the way, a failing pickle, a full disk, a size limit, a truncated file, a live and a killed lock
+# holder), tests/models/test_models.py (6: unknown timm and torchvision names, settings ddplab owns),
+# tests/run/test_spine.py (19 config combinations, 4 data errors, 4 bad resume checkpoints), tests/run/test_slurm.py
+# (3 bad layouts), tests/run/test_sweeps.py (failing sweep points, refused sweeps), tests/state/test_signals.py
+# (Ctrl-C, SIGTERM, SIGUSR2 while training).
 
 
 def _nothing_written(run_dir) -> None:
     assert not (run_dir / "metrics.json").exists() and not (run_dir / "checkpoints").exists()
 
 
-BAD_LAYOUTS = [  # the cluster presets, checked in the submitting process (src/cluster.py)
+BAD_LAYOUTS = [  # the cluster presets, checked in the submitting process (src/run/cluster.py)
     (("cluster=slurm", "cluster.nodes=0"), "cluster.nodes and cluster.tasks_per_node must be positive integers"),
     (("cluster=slurm", "cluster.gpus_per_node=null"), "on a CPU-only partition set cluster.tasks_per_node=N"),
     (("cluster=slurm", "cluster.gpus_per_node=2", "trainer.devices=4"), "trainer.devices=4 but each node runs"),
@@ -362,7 +373,7 @@ BAD_LAYOUTS = [  # the cluster presets, checked in the submitting process (src/c
 
 @pytest.mark.parametrize("overrides, message", BAD_LAYOUTS)
 def test_bad_cluster_layouts_are_one_line(cfg_factory, overrides, message):
-    from src.cluster import check_layout
+    from src.run.cluster import check_layout
 
     with pytest.raises(ConfigError) as info:
         check_layout(cfg_factory(*overrides))
@@ -543,8 +554,8 @@ def test_the_default_run_dir_is_checked_without_a_warning(tmp_path):
 @pytest.mark.parametrize(
     "name, kind",
     [
-        (".lock", "folder"),  # was: IsADirectoryError (src/runlock.py)
-        ("metrics.json", "folder"),  # was: IsADirectoryError after training (src/results.py)
+        (".lock", "folder"),  # was: IsADirectoryError (src/state/runlock.py)
+        ("metrics.json", "folder"),  # was: IsADirectoryError after training (src/reporting/results.py)
     ],
 )
 def test_a_file_or_folder_in_the_way_in_the_run_dir_is_one_line(tmp_path, cfg_factory, name, kind):
@@ -655,7 +666,7 @@ def test_a_stale_lock_file_without_a_live_holder_does_not_block(tmp_path, cfg_fa
 
 
 def test_evaluating_a_run_that_is_training_is_allowed_and_touches_none_of_its_files(tmp_path, cfg_factory):
-    from src.runlock import RunLock
+    from src.state.runlock import RunLock
 
     launch(cfg_factory(sub="a"))
     run_dir = tmp_path / "a/run"
@@ -717,8 +728,8 @@ class _RunsCode:
 
 
 def _export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
-    """`python -m src.checkpoint export <checkpoint> <out>`, as a user runs it."""
-    command = [sys.executable, "-m", "src.checkpoint", "export", str(checkpoint), str(out)]
+    """`python -m src.state.checkpoint export <checkpoint> <out>`, as a user runs it."""
+    command = [sys.executable, "-m", "src.state.checkpoint", "export", str(checkpoint), str(out)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
 
 
@@ -729,7 +740,7 @@ def _crafted_full(path: Path, marker: Path) -> Path:
 
 def _real_sharded(directory: Path) -> Path:
     """A sharded checkpoint as ddplab writes it (DCP tensors + state.pt)."""
-    from src import checkpoint as ckpt
+    from src.state import checkpoint as ckpt
 
     state = {"epoch": 1, "step": 0, "config": {}, "strategy": "fsdp", "rng": ckpt.rng_state()}
     ckpt.save_sharded({"model": {"w": torch.ones(3)}, "optimizer": {"lr": 0.5}}, state, directory, ["last"], True)
@@ -758,7 +769,7 @@ def test_a_crafted_sharded_checkpoint_is_refused_and_runs_nothing(tmp_path, part
     import io
     import pickle
 
-    from src import checkpoint as ckpt
+    from src.state import checkpoint as ckpt
 
     marker = tmp_path / "pwned"
     directory = _real_sharded(tmp_path / "ckpts")
@@ -808,7 +819,7 @@ def test_a_killed_checkpoint_writes_leftovers_are_removed_at_the_next_start(tmp_
 
 @pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "truncated metadata"])
 def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
-    from src import checkpoint as ckpt
+    from src.state import checkpoint as ckpt
 
     directory = _real_sharded(tmp_path / "ckpts")
     shard, metadata = directory / "__0_0.distcp", directory / ".metadata"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.checkpoint import find
-from src.launch import main as launch
-from src.trainer import train
+from src.run.launch import main as launch
+from src.run.trainer import train
+from src.state.checkpoint import find
 from tests.conftest import assert_compiled_loader_augments_like_eager, assert_same_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,7 +29,9 @@ def test_strategy_trains_on_gpu(cfg_factory, strategy):
     devices = [] if strategy == "single" else ["trainer.devices=2"]
     metrics = launch(cfg_factory(*GPU, f"strategy={strategy}", *devices))
     assert metrics["test_count"] == 512 and metrics["params_in_sync"] is True
-    assert 0 <= metrics["gpu_data_wait_fraction"] < 1  # the GPU's data wait, from CUDA events (tests/test_meter.py)
+    assert (
+        0 <= metrics["gpu_data_wait_fraction"] < 1
+    )  # the GPU's data wait, from CUDA events (tests/reporting/test_meter.py)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -113,7 +115,7 @@ def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, 
 
 
 def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
-    from src.datasets import load_data
+    from src.data.datasets import load_data
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=600").data)
     for pad_mode in ("zeros", "reflect"):

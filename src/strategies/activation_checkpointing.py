@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from src.errors import ConfigError
+from src.config.errors import ConfigError
 from src.strategies.blocks import _replace, shard_targets
 
 

@@ -3,7 +3,7 @@ and `build_strategy`.
 
 `core` is the model without the `module.` prefix of DDP/DataParallel, and checkpoints are written through
 torch's state-dict helpers, which also drop the prefixes of compiled blocks (`_orig_mod.`) and of activation
-checkpointing: a checkpoint from any strategy, in either format (src/checkpoint.py), loads in any other.
+checkpointing: a checkpoint from any strategy, in either format (src/state/checkpoint.py), loads in any other.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from src import checkpoint as ckpt
-from src.errors import ConfigError
+from src.config.errors import ConfigError
+from src.state import checkpoint as ckpt
 from src.strategies.blocks import shard_targets
 
 
@@ -142,7 +142,7 @@ class Strategy:
 
     def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
         """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
-        Here the full state is gathered and rank 0 writes `<name>.pt` (src/checkpoint.py)."""
+        Here the full state is gathered and rank 0 writes `<name>.pt` (src/state/checkpoint.py)."""
         model_state, optim_state = self.state_dict(optimizer)
         if primary:
             ckpt.save_full({"model": model_state, "optimizer": optim_state, **state}, directory, names)
@@ -240,7 +240,7 @@ def _broadcast_from_rank0(module: nn.Module, parameters: bool = True) -> None:
 
 
 def build_strategy(cfg) -> Strategy:
-    """The strategy object of `cfg.strategy` (its options were checked by src.schema)."""
+    """The strategy object of `cfg.strategy` (its options were checked by src.config.schema)."""
     from hydra.utils import instantiate
 
     return instantiate(cfg, _convert_="all")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from src.errors import ConfigError
+from src.config.errors import ConfigError
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.errors import ConfigError
-from src.schema import PositiveReal
+from src.config.errors import ConfigError
+from src.config.schema import PositiveReal
 from src.strategies.base import _broadcast_from_rank0, _Distributed
 
 COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # strategy.comm_hook -> all-reduce dtype

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from src import checkpoint as ckpt
-from src.errors import ConfigError
-from src.schema import Positive
+from src.config.errors import ConfigError
+from src.config.schema import Positive
+from src.state import checkpoint as ckpt
 from src.strategies.base import Context, _broadcast_from_rank0, _Distributed
 from src.strategies.blocks import _replace, shard_targets
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from src.errors import ConfigError
+from src.config.errors import ConfigError
 from src.strategies.base import Strategy
 
 

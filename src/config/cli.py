@@ -1,0 +1,112 @@
+"""The command line, read before Hydra composes it: an override Hydra cannot parse, a group option that does not
+exist or a misspelt key is one line with a suggestion. (Hydra says each in several lines, and its advice for a
+misspelt key, `+key=value`, would add the typo as a new key.)"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"}
+FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p"}
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _overrides(argv: list[str]) -> list[str] | None:
+    """The overrides of `python train.py <argv>`, or None when Hydra is asked for something else (help, --cfg,
+    another config: the checks here know only conf/)."""
+    if any(arg in HYDRA_FLAGS or arg.split("=", 1)[0] in FLAGS_WITH_VALUE for arg in argv):
+        return None
+    return [arg for arg in argv if not arg.startswith("-")]
+
+
+def problem(argv: list[str]) -> str | None:
+    """What is wrong with the command line's overrides, in one line, or None (then Hydra reads it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    overrides = _overrides(argv)
+    if not overrides:
+        return None
+    parser, parsed = OverridesParser.create(), []
+    for arg in overrides:
+        try:
+            parsed.append(parser.parse_override(arg))
+        except (OverrideParseException, HydraException) as exc:
+            said = " ".join(str(exc).split("\n")[0].split())[:100]
+            return (
+                f"cannot read the override {arg!r} ({said}); put a value with spaces or special characters in "
+                f"quotes for Hydra, inside quotes for the shell: \"key='a value'\""
+            )
+    groups = {p.name: p for p in CONF.iterdir() if p.is_dir()}
+    for o in parsed:
+        key = o.key_or_group
+        if "." in key or "/" in key or key not in groups or o.is_delete():
+            continue
+        options = sorted(p.stem for p in groups[key].glob("*.yaml") if not p.stem.startswith("_"))
+        values = [str(v) for v in o.sweep_iterator()] if o.is_sweep_override() else [str(o.value())]
+        for value in values:
+            if value != "null" and value not in options:
+                return f"{key}={value} is not a {key} option ({', '.join(options)}){_suggest(value, options)}"
+    return _unknown_key(parsed, groups)
+
+
+def _join(parent: str, leaf: str) -> str:
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def _declared_by_target(section, prefix: str) -> list[str]:
+    from src.config.schema import declared, target_of
+
+    if "_target_" not in section:
+        return []
+    try:
+        return list(declared(target_of(section, prefix)))
+    except Exception:  # an unimportable _target_ is the schema's to report
+        return []
+
+
+def _unknown_key(parsed, groups) -> str | None:
+    """A `key=value` (not `+key=`) whose key is not in the config its group choices compose."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    keys = [
+        o
+        for o in parsed
+        if not (o.is_add() or o.is_force_add() or o.is_delete())
+        and not o.key_or_group.startswith("hydra")
+        and ("." in o.key_or_group or o.key_or_group not in groups)
+    ]
+    if not keys:
+        return None
+    choices = []
+    for o in parsed:  # the groups chosen (a sweep's first option): they decide which keys exist
+        if "." not in o.key_or_group and o.key_or_group in groups and not o.is_delete():
+            value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
+            choices.append(f"{'+' if o.is_add() else ''}{o.key_or_group}={value}")
+    try:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=choices)
+    except Exception:  # anything else is Hydra's to say
+        return None
+    for o in keys:
+        parent_key, _, leaf = o.key_or_group.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
+        if OmegaConf.is_dict(parent) and leaf not in parent.keys():  # keys(): `in` is False for a ??? value
+            known = [str(k) for k in parent.keys() if str(k) != "hydra"] + _declared_by_target(parent, parent_key)
+            if leaf in known:  # an argument of its _target_ the YAML leaves at its default
+                return f"{o.key_or_group} is not set in the config; pass it as +{o.key_or_group}={o.value()}"
+            close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
+            where = f"an option of {parent_key}" if parent_key else "a top-level option"
+            if close:
+                return (
+                    f"{o.key_or_group} is not {where}; did you mean {'.'.join(filter(None, (parent_key, close[0])))}?"
+                )
+            return f"{o.key_or_group} is not {where} (it has {', '.join(known)}); to add one: +{o.key_or_group}=..."
+    return None

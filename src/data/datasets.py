@@ -1,0 +1,511 @@
+"""The `data/` group: load a dataset into train / val / test splits.
+
+Each conf/data/<name>.yaml names its builder with `_target_` (a function taking the data config and returning
+a DataBundle); adding a dataset is one such function and one YAML starting with
+`defaults: [/data_common@_here_, _self_]`.
+Small datasets (digits, CIFAR, synthetic, ImageFolders that fit `data.max_memory_gb`) become uint8
+tensors N x C x H x W in memory, which both loaders (src/data/loaders.py) index directly. Larger
+ImageFolders (and packed shards, src/data/shards.py) stay on disk as encoded images (src/data/decode.py), decoded
+per batch by DataLoader workers or on the training device (`data.decode`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+
+from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
+from src.config.errors import ConfigError
+from src.config.schema import refuse_lookalikes
+
+log = logging.getLogger(__name__)
+
+CIFAR_STATS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+SPLIT_SEED = 0  # the val/test carve-out is fixed, so runs with different seeds share their test set
+CACHE_VERSION = 3  # hashed into every decode-cache key: bump it when decoding changes
+
+
+# --- the data config: one table of rules --------------------------------------------------------------
+
+AUGMENTS = ("none", "crop_flip", "random_resized_crop", "auto")
+IN_MEMORY_AUGMENTS = ("none", "crop_flip")  # what the loaders apply to in-memory uint8 tensors
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_range(value, upper: float | None = None) -> bool:
+    """[low, high] with 0 < low <= high (<= upper)."""
+    value = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(_is_number(v) for v in value)
+        and 0 < value[0] <= value[1]
+        and (upper is None or value[1] <= upper)
+    )
+
+
+# key: (test, what a valid value is). The shared keys (conf/data_common.yaml) must be present.
+SHARED_KEYS = {
+    "batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "eval_batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "val_fraction": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "augment": (lambda v: v in AUGMENTS, f"one of {', '.join(AUGMENTS)}"),
+    "cutout": (lambda v: _is_int(v, 0), "a side length in pixels >= 0 (0 = off)"),
+    "pad_mode": (lambda v: v in ("zeros", "reflect"), "zeros or reflect"),
+    "num_workers": (lambda v: v == "auto" or _is_int(v, 0), "auto or an integer >= 0"),
+    "loader": (lambda v: v in ("auto", "classic", "gpu"), "auto, classic or gpu"),
+}
+# checked where a dataset has them
+OWN_KEYS = {
+    "test_fraction": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
+    "image_size": (lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
+    "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    # images read from disk (imagefolder beyond max_memory_gb, shards)
+    "decode": (lambda v: v in ("auto", "gpu", "cpu", "split"), "auto, gpu, cpu or split"),
+    "gpu_share": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (the share of each batch)"),
+    "crop": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
+    "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
+    "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
+    "skip_bad_images": (lambda v: isinstance(v, bool), "true or false"),
+    # data=synthetic
+    "shape": (lambda v: len(v) == 3 and all(_is_int(n, 1) for n in v), "[channels, height, width], positive"),
+    "num_classes": (lambda v: _is_int(v, 2), "an integer >= 2"),
+    "num_samples": (lambda v: _is_int(v, 1), "a positive integer"),
+    "num_test": (lambda v: _is_int(v, 1), "a positive integer"),
+}
+
+
+BUILDER_KEYS = ("_target_", "name", "root", "download")  # what the builders of src/ read besides the tables
+
+
+def _check_keys(cfg: DictConfig, builder: Callable) -> None:
+    """A key no builder of src/ reads is a typo (e.g. +data.num_worker=4 would change nothing): refused. A
+    builder of your own may read keys of its own: those are refused only when they look like a known key."""
+    known = (*SHARED_KEYS, *OWN_KEYS, *BUILDER_KEYS)
+    refuse_lookalikes(cfg, "data", known)
+    unknown = [key for key in cfg if key not in known]
+    if unknown and builder.__module__.startswith("src."):
+        raise ConfigError(
+            f"data.{unknown[0]} is not an option of data={cfg.get('name')}; the data options are "
+            f"{', '.join(k for k in known if not k.startswith('_'))}"
+        )
+
+
+def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
+    """The function `data._target_` names."""
+    target = cfg.get("_target_")
+    if not isinstance(target, str) or not target:
+        raise ConfigError(
+            "data._target_ is not set; a data YAML names its builder, e.g. _target_: src.data.datasets.load_imagefolder"
+        )
+    hydra_log = logging.getLogger("hydra.utils")  # get_method logs a failure over three lines, then raises it
+    was_disabled, hydra_log.disabled = hydra_log.disabled, True
+    try:
+        return get_method(target)
+    except Exception as exc:  # ImportError or ValueError; the last line says what to check
+        raise ConfigError(
+            f"data._target_={target} cannot be imported as a function ({str(exc).strip().splitlines()[-1]})"
+        ) from None
+    finally:
+        hydra_log.disabled = was_disabled
+
+
+def check_data_config(cfg: DictConfig) -> None:
+    """Every range and choice check of the data keys, in the launching process before any rank starts
+    (load_data calls it again, for direct callers)."""
+    missing = [key for key in cfg if OmegaConf.is_missing(cfg, key)]
+    if missing:
+        raise ConfigError(f"data.{missing[0]} must be set for data={cfg.get('name')}, e.g. data.{missing[0]}=...")
+    builder = builder_of(cfg)
+    if not isinstance(cfg.get("name"), str):
+        raise ConfigError(f"data.name must be a string (the dataset's label in reports), got {cfg.get('name')!r}")
+    _check_keys(cfg, builder)
+    absent = [key for key in SHARED_KEYS if key not in cfg]
+    if absent:
+        raise ConfigError(
+            f"data.{absent[0]} is missing; start the data YAML with `defaults: [/data_common@_here_, _self_]`"
+        )
+    for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
+        if key in cfg and not ok(cfg[key]):
+            raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
+    if cfg.get("decode") in ("gpu", "split") and cfg.get("crop") == "workers":
+        raise ConfigError(
+            f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={cfg.decode}) are "
+            "cropped by the training process; use data.crop=device (or auto)"
+        )
+
+
+@dataclass
+class Split:
+    labels: torch.Tensor  # int64 N
+    images: torch.Tensor | None = None  # uint8 N x C x H x W when in memory
+    files: torch.utils.data.Dataset | None = None  # on-disk samples when not
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class DataBundle:
+    name: str
+    train: Split
+    val: Split
+    test: Split
+    num_classes: int
+    channels: int
+    image_size: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: str  # none | crop_flip | random_resized_crop
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.train.images is not None
+
+
+def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val_fraction", seed: int = SPLIT_SEED):
+    """Indices (kept, held out) with `fraction` of every class held out; `key` names the setting in errors."""
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(labels))
+    if fraction <= 0:
+        return torch.from_numpy(idx), torch.empty(0, dtype=torch.long)
+    try:
+        keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
+    except ValueError:  # sklearn: a side too small to hold every class once
+        n, (classes, counts) = len(labels), labels.unique(return_counts=True)
+        if counts.min() < 2:
+            raise ConfigError(
+                f"{key}={fraction}: class {int(classes[counts.argmin()])} has only 1 sample, too few to hold out "
+                f"part of every class; {'set it to 0 or ' if key.endswith('val_fraction') else ''}add samples"
+            ) from None
+        classes = len(classes)
+        # sklearn holds out ceil(fraction * n); both sides need every class once
+        ok = [k / 100 for k in range(1, 100) if classes <= math.ceil(k / 100 * n) <= n - classes]
+        fits = f"set {key} between {ok[0]} and {ok[-1]}" if ok else f"{n} samples are too few for {key}"
+        raise ConfigError(
+            f"{key}={fraction} cannot split {n} samples of {classes} classes so that both sides hold every class; "
+            f"{fits}{', or 0 for none' if key.endswith('val_fraction') else ''}"
+        ) from None
+    return torch.from_numpy(np.sort(keep)), torch.from_numpy(np.sort(held))
+
+
+def _subset(split: Split, idx: torch.Tensor) -> Split:
+    if split.images is not None:
+        return Split(split.labels[idx], images=split.images[idx])
+    if isinstance(split.files, EncodedImages):
+        return Split(split.labels[idx], files=split.files.subset(idx))
+    return Split(split.labels[idx], files=torch.utils.data.Subset(split.files, idx.tolist()))
+
+
+def carve_val(train: Split, fraction: float) -> tuple[Split, Split]:
+    """(train, val) with `fraction` of every class of `train` moved to val (data.val_fraction)."""
+    keep, held = stratified_split(train.labels, fraction)
+    return _subset(train, keep), _subset(train, held)
+
+
+def _channel_stats(images: torch.Tensor):
+    x = images.double() / 255
+    return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
+
+
+def load_digits_data(cfg: DictConfig) -> DataBundle:
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images = torch.from_numpy(np.round(raw.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
+    labels = torch.from_numpy(raw.target.astype(np.int64))
+    train_idx, test_idx = stratified_split(labels, cfg.get("test_fraction", 0.2), "data.test_fraction")
+    full = Split(labels, images=images)
+    train, val = carve_val(_subset(full, train_idx), cfg.val_fraction)
+    mean, std = _channel_stats(train.images)
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        _subset(full, test_idx),
+        10,
+        1,
+        (8, 8),
+        mean,
+        std,
+        cfg.get("augment", "none"),
+        [str(i) for i in range(10)],
+    )
+
+
+def _load_cifar(cfg: DictConfig, which: str) -> DataBundle:
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if which == "cifar10" else torchvision.datasets.CIFAR100
+    root = Path(cfg.root)
+    archive = "cifar-10-python.tar.gz" if which == "cifar10" else "cifar-100-python.tar.gz"
+    try:
+        parts = [cls(str(root), train=flag, download=cfg.download) for flag in (True, False)]
+    except Exception as exc:  # torchvision raises RuntimeError / URLError / OSError
+        raise ConfigError(
+            f"{which} is not in {root} and could not be downloaded ({type(exc).__name__}); "
+            f"place {archive} (or its extracted folder) in {root}, or set data.root"
+        ) from None
+
+    def to_split(ds) -> Split:
+        return Split(
+            torch.tensor(ds.targets, dtype=torch.long),
+            images=torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(),
+        )
+
+    train, val = carve_val(to_split(parts[0]), cfg.val_fraction)
+    mean, std = CIFAR_STATS[which]
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        to_split(parts[1]),
+        len(parts[0].classes),
+        3,
+        (32, 32),
+        mean,
+        std,
+        cfg.get("augment", "crop_flip"),
+        list(parts[0].classes),
+    )
+
+
+def load_cifar10(cfg: DictConfig) -> DataBundle:
+    return _load_cifar(cfg, "cifar10")
+
+
+def load_cifar100(cfg: DictConfig) -> DataBundle:
+    return _load_cifar(cfg, "cifar100")
+
+
+def load_synthetic(cfg: DictConfig) -> DataBundle:
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    c, h, w = cfg.shape
+
+    def make(n: int) -> Split:
+        return Split(
+            torch.randint(0, cfg.num_classes, (n,), generator=g),
+            images=torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g),
+        )
+
+    train, val = carve_val(make(cfg.num_samples), cfg.val_fraction)
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        make(cfg.num_test),
+        cfg.num_classes,
+        c,
+        (h, w),
+        (0.5,) * c,
+        (0.29,) * c,
+        cfg.get("augment", "none"),
+    )
+
+
+# --- ImageFolder ---------------------------------------------------------------------------------
+
+
+def _check_folder(path: Path) -> None:
+    if not path.is_dir():
+        raise ConfigError(f"data.root: {path} does not exist; set data.root to a folder with train/ and val/ or test/")
+    if not any(p.is_dir() for p in path.iterdir()):
+        raise ConfigError(f"{path} has no class folders; expected {path}/<class>/<image> (ImageFolder layout)")
+
+
+def _image_folder(folder: Path, transform=None):
+    import torchvision
+
+    ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=decode_file, allow_empty=True)
+    empty = sorted(set(ds.classes) - {ds.classes[t] for t in ds.targets})
+    if empty:  # torchvision's own error is a FileNotFoundError traceback
+        raise ConfigError(
+            f"{folder}: class folder(s) {', '.join(empty[:5])} hold no images (.jpg, .png, ...); "
+            f"add images or remove the folder(s)"
+        )
+    return ds
+
+
+def _decode_folder(ds, size: int | None) -> torch.Tensor:
+    from PIL import Image
+
+    images = []
+    for path, _ in ds.samples:
+        img = decode_file(path).permute(1, 2, 0).numpy()  # the decoding of every other path (src/data/decode.py)
+        if size is not None and img.shape[:2] != (size, size):
+            img = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR))
+        images.append(img)
+    shapes = {a.shape for a in images}
+    if len(shapes) > 1:
+        raise ConfigError(f"{ds.root}: images differ in size {sorted(shapes)[:3]}...; set data.image_size")
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
+
+
+def _cache_key(folder: Path, samples: list, size: int | None) -> str:
+    """A hash of everything the decoded array depends on: each file's path, label, size, mtime and inode."""
+    h = hashlib.sha256(f"v{CACHE_VERSION} size={size}\n".encode())
+    for path, label in samples:
+        try:
+            st = os.stat(path)
+        except OSError as exc:  # e.g. a broken symlink
+            raise unreadable(path, exc) from None
+        # the inode too: renaming folders (two classes swapped) keeps every file's name, size and mtime
+        h.update(f"{os.path.relpath(path, folder)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _read_cache(cache: Path, count: int) -> torch.Tensor | None:
+    """The cached images, or None (with a warning) when the file is truncated, corrupt or not ours."""
+    try:
+        images = torch.load(cache, weights_only=True)["images"]
+        if (
+            isinstance(images, torch.Tensor)
+            and images.dtype == torch.uint8
+            and images.dim() == 4
+            and len(images) == count
+        ):
+            return images
+        why = "unexpected contents"
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    log.warning("decode cache %s is unreadable (%s); decoding the images again", cache, why)
+    return None
+
+
+def _cached_decode(folder: Path, ds, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode once; keep the uint8 array next to the data, named by a hash of the files it came from,
+    so any change to them (added, removed, edited, relabelled) decodes again."""
+    stem = f"{folder.name}-{size or 'native'}"
+    cache = folder.parent / ".ddplab-cache" / f"{stem}-{_cache_key(folder, ds.samples, size)}.pt"
+    labels = torch.tensor(ds.targets, dtype=torch.long)  # always from the folders, never from the cache
+    images = _read_cache(cache, len(labels)) if cache.exists() else None
+    if images is not None:
+        return images, labels
+    log.info("decoding %d images of %s (cached in %s)", len(labels), folder, cache.parent)
+    images = _decode_folder(ds, size)
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"images": images, "labels": labels}, tmp)
+        os.replace(tmp, cache)
+        for stale in cache.parent.glob(f"{stem}-*.pt"):  # earlier versions of this split: never read again
+            if stale != cache:
+                stale.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not cache decoded images at %s (%s)", cache, exc)
+    return images, labels
+
+
+def load_imagefolder(cfg: DictConfig) -> DataBundle:
+    root = Path(str(cfg.root))
+    _check_folder(root)
+    _check_folder(root / "train")
+    evals = [root / name for name in ("val", "test") if (root / name).is_dir()]
+    if not evals:
+        raise ConfigError(f"{root} has train/ but neither val/ nor test/; add one of them")
+    for folder in evals:
+        _check_folder(folder)
+    base = {f.name: _image_folder(f) for f in [root / "train", *evals]}
+    classes = base["train"].classes
+    for name, ds in base.items():
+        if ds.classes != classes:
+            raise ConfigError(
+                f"{root}/{name} has classes {ds.classes[:5]}... but train/ has {classes[:5]}...; "
+                f"every split needs the same class folders"
+            )
+    size = cfg.image_size
+    h, w = (size, size) if size else decode_file(base["train"].samples[0][0]).shape[1:]
+    augment = _resolve_augment(cfg.augment, h, w)
+    n_total = sum(len(ds) for ds in base.values())
+    if n_total * 3 * h * w > cfg.max_memory_gb * 2**30 or augment == "random_resized_crop":
+        files = {
+            name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
+            for name, ds in base.items()
+        }
+        return disk_bundle(cfg, files, classes, (h, w), augment)
+    splits = {}
+    for name, ds in base.items():
+        images, labels = _cached_decode(root / name, ds, size)
+        splits[name] = Split(labels, images=images)
+    train, val, test = _train_val_test(splits, cfg.val_fraction)
+    mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
+    return DataBundle(cfg.name, train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
+
+
+def _resolve_augment(augment: str, h: int, w: int) -> str:
+    """data.augment=auto: crop_flip for small (CIFAR-like) images, random resized crops for larger ones."""
+    return augment if augment != "auto" else ("crop_flip" if max(h, w) <= 64 else "random_resized_crop")
+
+
+def _train_val_test(splits: dict[str, Split], val_fraction: float) -> tuple[Split, Split, Split]:
+    """train/ with val/ and test/, or a validation share carved from train when one of them is missing."""
+    if "val" in splits and "test" in splits:
+        return splits["train"], splits["val"], splits["test"]
+    train, val = carve_val(splits["train"], val_fraction)
+    return train, val, splits.get("test", splits.get("val"))
+
+
+def disk_bundle(
+    cfg: DictConfig, files: dict[str, EncodedImages], classes: list[str], size: tuple[int, int], augment: str
+) -> DataBundle:
+    """The DataBundle of splits that stay on disk (an ImageFolder too big for memory, packed shards): each batch
+    is decoded by the loader, cropped to `size` (random resized crops when training with random_resized_crop,
+    else resize + centre crop) and normalized with ImageNet's statistics."""
+    splits = {name: Split(f.labels, files=f) for name, f in files.items()}
+    train, val, test = _train_val_test(splits, cfg.val_fraction)
+    mean, std = IMAGENET_STATS
+    return DataBundle(
+        cfg.name,
+        train,
+        val,
+        test,
+        len(classes),
+        3,
+        tuple(size),
+        mean,
+        std,
+        _resolve_augment(augment, *size),
+        list(classes),
+    )
+
+
+def load_data(cfg: DictConfig) -> DataBundle:
+    """Check the data config, call the builder `data._target_` names, and check what it returned."""
+    check_data_config(cfg)
+    data = builder_of(cfg)(cfg)
+    if not isinstance(data, DataBundle):
+        raise ConfigError(f"data._target_={cfg._target_} returned {type(data).__name__}, not a DataBundle")
+    if data.in_memory and data.augment not in IN_MEMORY_AUGMENTS:
+        raise ConfigError(
+            f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
+            f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}"
+        )
+    for split in ("train", "test"):
+        if not len(getattr(data, split)):
+            raise ConfigError(
+                f"the {split} split of data={cfg.name} is empty; lower data.val_fraction (or data.test_fraction)"
+            )
+    return data

@@ -1,0 +1,232 @@
+"""Experiment loggers of one job (global rank 0 only): TensorBoard, Weights & Biases, CSV.
+
+`conf/logger/<name>.yaml` holds `<name>: {_target_: <class>, <options>}`, so several can be selected at once
+(`logger=[tensorboard,wandb]`); `build_loggers` builds each as `<class>(run_dir=..., cfg=..., **options)`
+and returns one `Logger` that calls them all. A new logger is one `Logger` subclass plus one YAML file.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+from typing import Literal
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from src.config.errors import ConfigError
+
+# Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
+METRICS = (
+    "test_loss",
+    "test_top1",
+    "test_top5",
+    "best_val_top1",
+    "sec_per_epoch",
+    "images_per_sec",
+    "peak_mem_gb",
+    "peak_host_mem_gb",
+    "tflops_per_gpu",
+    "mfu",
+)
+
+
+class Logger:
+    """What the trainer calls. Every method does nothing here, which is what `logger=none` gets."""
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        """Scalars under flat tags (`train/loss`, `val/top1`, `time/epoch_sec`, ...) at `step` (the epoch)."""
+
+    def log_hparams(self, hparams: dict, final: dict) -> None:
+        """Once, at the end: hyper-parameters (str/number/bool values) and final metrics (may hold None/NaN)."""
+
+    def close(self) -> None:
+        """Flush and release what the logger holds; nothing is logged after this."""
+
+
+class Loggers(Logger):
+    """Every selected logger, called in the order of `cfg.logger`."""
+
+    def __init__(self, loggers):
+        self.loggers = list(loggers)
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step)
+
+    def log_hparams(self, hparams: dict, final: dict) -> None:
+        for logger in self.loggers:
+            logger.log_hparams(hparams, final)
+
+    def close(self) -> None:
+        loggers, self.loggers = self.loggers, []  # a second close (e.g. in a finally after the normal end) is a no-op
+        for logger in loggers:
+            logger.close()
+
+
+def build_loggers(cfg: DictConfig, run_dir) -> Loggers:
+    """The loggers selected in `cfg.logger` (a dict name -> options with `_target_`), writing into `run_dir`."""
+    selected = cfg.get("logger") or {}
+    # _partial_: run_dir and cfg reach the class as they are; instantiate(..., cfg=cfg) would merge a copy of the
+    # whole config into the logger's node, where its interpolations (${paths.root_dir}, ...) no longer resolve
+    return Loggers(
+        instantiate(options, _partial_=True)(run_dir=Path(run_dir), cfg=cfg) for options in selected.values()
+    )
+
+
+def job_identity(run_dir: Path) -> tuple[str, str | None]:
+    """(name, group) of the job: its Hydra override dirname, or the run dir's name when it has no overrides;
+    in a multirun, the sweep directory's last two parts (`<date>/<time>`: the time alone repeats across days)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    # HydraConfig when this process runs the job's Hydra app; ranks the elastic launcher started read Hydra's files
+    if hydra is not None and Path(hydra.runtime.output_dir).resolve() == run_dir.resolve():
+        name, multirun = hydra.job.override_dirname, hydra.mode.name == "MULTIRUN"
+    else:
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        name = ",".join(sorted(OmegaConf.load(overrides))) if overrides.exists() else ""  # as Hydra joins them
+        multirun = (run_dir.parent / "multirun.yaml").exists()
+    return name or run_dir.name, ("/".join(run_dir.resolve().parts[-3:-1]) if multirun else None)
+
+
+# --- TensorBoard ----------------------------------------------------------------------------------
+
+
+def open_writer(run_dir):
+    """TensorBoard writer whose event files go into the run dir itself: TensorBoard names the run after the
+    job's directory (its overrides in a sweep), not `<dir>/tb`."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(Path(run_dir)))
+
+
+def _hparam_value(value):
+    # Numbers stay numbers; everything else, booleans included, becomes its str(): torch's hparams()
+    # tests for int before bool, so a bool would show as 0.0/1.0 rather than False/True.
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def write_hparams(writer, hparams: dict, final_metrics: dict, step: int = 0) -> None:
+    """Write the HParams experiment, session start and session end into `writer`'s own event file, next to the
+    training scalars, so each job is one TensorBoard run and one HParams session (`SummaryWriter.add_hparams`
+    would open a sub-run `<logdir>/<timestamp>/`: every job twice, pytorch issues 32651, 37738). Each final
+    metric of METRICS that is not None is also written as scalar `hparams/<name>` at `step`: the value the
+    HParams tab shows for the session."""
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    hp = {str(k): _hparam_value(v) for k, v in hparams.items()}
+    metrics = {f"hparams/{name}": float(final_metrics[name]) for name in METRICS if final_metrics.get(name) is not None}
+    # file_writer: the public FileWriter of the writer's event file (add_hparams writes its sub-run through it)
+    for summary in hparams_summaries(hp, metrics):  # experiment, session start, session end
+        writer.file_writer.add_summary(summary, step)
+    for tag, value in metrics.items():
+        writer.add_scalar(tag, value, step)
+    writer.flush()
+
+
+class TensorBoardLogger(Logger):
+    """Scalars and the HParams summary in the run dir (`make tensorboard`)."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig | None = None):
+        self.writer = open_writer(run_dir)
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a running job's curves show up in TensorBoard epoch by epoch
+
+    def log_hparams(self, hparams: dict, final: dict) -> None:
+        write_hparams(self.writer, hparams, final)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --- CSV ------------------------------------------------------------------------------------------
+
+
+class CSVLogger(Logger):
+    """`<run_dir>/<filename>`: one row per step (the trainer's is the epoch), a `step` column, then one per tag.
+
+    The file is rewritten and atomically replaced at each call, so it is a complete CSV after every epoch even
+    when a late tag (test/ at the end) adds a column; calls with the same step fill the same row. Rows already
+    in the file (a resumed run) are kept. Hyper-parameters and final metrics are in metrics.json, not here.
+    """
+
+    def __init__(self, run_dir: Path, cfg: DictConfig | None = None, filename: str = "metrics.csv"):
+        if Path(filename).name != filename or filename in (".", ".."):  # the run's files stay in its dir
+            raise ConfigError(f"logger.csv.filename must be a file name in the run dir, got {filename!r}")
+        self.path = Path(run_dir) / filename
+        self.rows: dict[int, dict] = {}
+        if self.path.exists():
+            with open(self.path, newline="") as f:
+                self.rows = {int(row["step"]): row for row in csv.DictReader(f)}
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows.setdefault(step, {"step": step}).update(metrics)
+        columns = list(dict.fromkeys(key for row in self.rows.values() for key in row))  # first seen, first
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(self.rows[s] for s in sorted(self.rows))
+            tmp.replace(self.path)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {self.path} ({exc.strerror}); make it writable or pick logger=") from None
+
+
+# --- Weights & Biases -----------------------------------------------------------------------------
+
+
+class WandbLogger(Logger):
+    """A W&B run in `<run_dir>/wandb/`, named by the job's overrides, grouped by sweep, its config the resolved
+    config. mode=offline (default) needs no account and no network; `wandb sync <run_dir>/wandb/offline-run-*`
+    uploads it later. Final metrics go to the run's summary as `final/<name>`, hyper-parameters to config.hparams.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        project: str = "ddplab",
+        entity: str | None = None,
+        mode: Literal["offline", "online", "disabled"] = "offline",
+        tags=(),
+    ):
+        import wandb  # here: only a job that selects it needs wandb installed
+
+        if not re.fullmatch(r"[^/\\#?%:]{1,128}", project):  # W&B's own rule, as one line here
+            raise ConfigError(
+                f"logger.wandb.project={project!r} is not a W&B project name: at most 128 characters, "
+                f"none of / \\ # ? % :"
+            )
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir when `dir` is missing
+        name, group = job_identity(run_dir)
+        self.run = wandb.init(
+            dir=str(run_dir),
+            project=project,
+            entity=entity,
+            mode=mode,
+            name=name,
+            group=group,
+            tags=list(tags),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            settings=wandb.Settings(silent=mode == "offline"),
+        )  # nothing to link to offline
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def log_hparams(self, hparams: dict, final: dict) -> None:
+        # under config.hparams: names like `strategy` or `model` are already top-level groups of the config
+        self.run.config.update({"hparams": dict(hparams)}, allow_val_change=True)
+        self.run.summary.update({f"final/{k}": v for k, v in final.items() if v is not None})
+
+    def close(self) -> None:
+        self.run.finish()

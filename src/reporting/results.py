@@ -1,0 +1,306 @@
+"""What a finished run reports: epoch summary, hyper-parameters, the final log line and metrics.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.config.errors import ConfigError
+from src.config.layout import Layout
+
+log = logging.getLogger("ddplab")
+
+
+def summarize(history: list[dict]) -> dict:
+    """Seconds per epoch, images/s and data-wait fractions (the host's; the GPU's on CUDA), leaving out epoch 1
+    (warm-up, compilation) when there are later epochs."""
+    rows = history[1:] if len(history) > 1 else history
+    if not rows:
+        return {}
+    seconds = sum(r["epoch_sec"] for r in rows)
+    out = {
+        "sec_per_epoch": seconds / len(rows),
+        "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
+        "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows),
+    }
+    if all("gpu_data_wait_fraction" in r for r in rows):
+        out["gpu_data_wait_fraction"] = sum(r["gpu_data_wait_fraction"] for r in rows) / len(rows)
+    for key in ("tflops_per_gpu", "mfu"):  # rates: time-weighted like images/s
+        if all(key in r for r in rows):
+            out[key] = sum(r[key] * r["epoch_sec"] for r in rows) / seconds
+    for key in ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb"):  # peaks: over every epoch
+        if any(key in r for r in history):
+            out[key] = max(r.get(key, 0.0) for r in history)
+    return out
+
+
+def _choices(run_dir: Path) -> dict:
+    """The config group options the run was composed from (`model: small_cnn`), as Hydra recorded them."""
+    try:
+        return dict(OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices)
+    except Exception:  # no .hydra/ (a config composed in Python): the class names stand in
+        return {}
+
+
+def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) -> dict:
+    """The settings a comparison is about (TensorBoard HParams, metrics.json, the report)."""
+    t, choices = cfg.trainer, _choices(run_dir)
+
+    def chosen(group: str) -> str:
+        return str(choices.get(group) or cfg[group].get("name") or cfg[group]._target_.rsplit(".", 1)[-1])
+
+    return {
+        **strategy.hparams(cfg),
+        "world_size": layout.world_size * layout.devices_per_process,
+        "processes": layout.world_size,
+        "devices_per_process": layout.devices_per_process,
+        "global_batch": layout.global_batch,
+        "per_device_batch": layout.per_device_batch,
+        "amp": t.amp,
+        "amp_dtype": t.amp_dtype,
+        "accumulate_grad_batches": layout.accumulate,
+        "model": chosen("model"),
+        "data": cfg.data.name,
+        "optim": chosen("optim"),
+        "scheduler": chosen("scheduler"),
+        "max_epochs": t.max_epochs,
+        "seed": cfg.seed,
+        "lr": cfg.optim.lr,
+        "loader": loader.name,
+        "num_workers": loader.num_workers,  # data.num_workers as resolved (auto: from the CPUs)
+        "gpu_share": loader.gpu_share,  # data.decode=split's share of each batch decoded on the GPU, else 0
+        "compile": t.compile,
+        "channels_last": t.channels_last,
+        "threads": torch.get_num_threads(),
+    }
+
+
+PERF_KEYS = ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")
+
+
+def efficiency_line(m: dict) -> str:
+    """Memory and compute efficiency, as far as this device reports them (a CPU: its host memory only; its
+    FLOP rate stays in metrics.json, where it is exact, not printed as a GPU figure)."""
+    gpu = "peak_mem_gb" in m
+    parts = [f"{m['tflops_per_gpu']:.2f} TFLOP/s/device"] if gpu and m.get("tflops_per_gpu") is not None else []
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "peak_mem_gb" in m:
+        parts.append(f"peak mem {m['peak_mem_gb']:.2f} GiB (reserved {m.get('peak_mem_reserved_gb', 0):.2f})")
+    elif "peak_host_mem_gb" in m:
+        parts.append(f"peak host mem {m['peak_host_mem_gb']:.2f} GiB")
+    return ", ".join(parts)
+
+
+def data_wait(m: dict) -> str:
+    """ "27% (GPU 2%)": the host's wait for batches, and on CUDA how long the GPU went without a step's work."""
+    host = f"{100 * m.get('data_wait_fraction', 0.0):.0f}%"
+    return f"{host} (GPU {100 * m['gpu_data_wait_fraction']:.0f}%)" if "gpu_data_wait_fraction" in m else host
+
+
+# When the GPU waits for data this long, the final line names a remedy. The thresholds are measured (ResNet-50 from
+# the 256-px shards, 2 x H200, bench/results/resnet50-split-loop_2xh200_2026-11-27.md): data.decode=split fed 2.1x
+# CPU decoding with 4 CPU workers per GPU; CPU decoding was the faster from 8 workers on.
+DATA_BOUND_GPU_WAIT = 0.2
+SPLIT_HELPS_BELOW_WORKERS = 6
+RECIPE = "docs/data.md: 'Recipe: an ImageNet-style folder at GPU speed'"
+
+
+def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -> str | None:
+    """One line for a run whose GPU went without work, waiting for data, a fifth of the time or more (CUDA only:
+    gpu_data_wait_fraction); None otherwise. What to change depends on the loader and its CPU workers per process."""
+    wait = final.get("gpu_data_wait_fraction")
+    if wait is None or wait < DATA_BOUND_GPU_WAIT or loader not in ("classic", "cpudecode", "gpudecode", "split"):
+        return None  # the gpu loader's wait is its augmentation kernels; a loader not named here: no advice
+    more_cpus = "give each GPU more CPUs (data.num_workers; srun --cpus-per-task)"
+    smaller = "pack the images re-encoded smaller if they are not (python -m src.data.shards pack --max-side 256)"
+    if not from_disk:
+        fix = "data.loader=gpu keeps the data on the GPU and augments it there"
+    elif workers == 0:
+        fix = "data.num_workers=0 decodes in the training process; data.num_workers=auto starts a worker per CPU"
+    elif loader == "split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
+        fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
+    elif loader == "split":
+        fix = more_cpus
+    elif loader == "gpudecode":
+        fix = f"{smaller} and decode them on the CPU (data.decode=cpu) with a worker per CPU"
+    elif workers < SPLIT_HELPS_BELOW_WORKERS:
+        fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
+    elif loader == "classic":
+        only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
+        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"
+    else:
+        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}"
+    return f"the GPU waited for data {100 * wait:.0f}% of the time: {fix}; see the {RECIPE}"
+
+
+def log_final(final: dict, replicated: bool) -> None:
+    """The run's final line; `replicated`: several processes hold the model, so say whether they agree."""
+    in_sync = (
+        f" | params in sync: {final['params_in_sync']}, BN buffers in sync: {final['bn_buffers_in_sync']}"
+        if replicated
+        else ""
+    )
+    log.info(
+        "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
+        "%.0f img/s, data wait %s%s",
+        final["test_loss"],
+        final["test_top1"],
+        final["test_top5"],
+        final["test_count"],
+        final["best_epoch"],
+        final.get("sec_per_epoch", math.nan),
+        final.get("images_per_sec", math.nan),
+        data_wait(final),
+        in_sync,
+    )
+    if "peak_mem_gb" in final:
+        log.info("efficiency: %s", efficiency_line(final))
+
+
+def _git_commit() -> str | None:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _finite(obj):
+    """NaN (e.g. no validation split) becomes null: metrics.json stays strict JSON."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_metrics(
+    run_dir: Path,
+    cfg: DictConfig,
+    status: str,
+    final: dict,
+    history: list[dict],
+    hparams: dict,
+    device: torch.device,
+    name: str = "metrics.json",
+) -> None:
+    """metrics.json (eval.json for an evaluation), replaced atomically so a reader never sees half of it."""
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    metrics = {
+        "status": status,
+        "final": final,
+        "epochs": history,
+        "hparams": hparams,
+        "overrides": overrides,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "torch_version": torch.__version__,
+        "device_name": device_name,
+        "git_commit": _git_commit(),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{name}.tmp"
+    tmp.write_text(json.dumps(_finite(metrics), indent=2, default=str))
+    tmp.replace(run_dir / name)
+
+
+class Reporter:
+    """Rank 0's reporting: the epoch log line, the configured loggers, the final line and metrics.json."""
+
+    summarize = staticmethod(summarize)
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, strategy, loader, device: torch.device):
+        from src.reporting.loggers import Logger, build_loggers
+
+        self.cfg, self.run_dir, self.device = cfg, run_dir, device
+        self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
+        self.from_disk = loader.from_disk  # every loader says it, as it says name and num_workers
+        result = run_dir / ("metrics.json" if cfg.train else "eval.json")
+        if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
+            raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")
+        try:  # an evaluation writes eval.json only: no logger files beside the training run's
+            self.loggers = build_loggers(cfg, run_dir) if cfg.train else Logger()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open the loggers' files in {run_dir} ({exc.strerror}: {exc.filename}); remove what is in "
+                f"the way or use another run directory"
+            ) from None
+
+    def epoch(self, row: dict) -> None:
+        t = self.cfg.trainer
+        evaluated = "".join(
+            f" | {split} loss {row[f'{split}_loss']:.4f} top-1 {row[f'{split}_top1']:.2f}%"
+            for split in ("val", "test")
+            if f"{split}_loss" in row
+        )  # the splits this epoch has
+        precision = f"amp {t.amp_dtype}" if t.amp else "fp32"
+        log.info(
+            "epoch %d/%d  train loss %.4f acc %.2f%%%s | %.2f s, %.0f img/s, data wait %s, %s | %s",
+            row["epoch"],
+            t.max_epochs,
+            row["train_loss"],
+            row["train_top1"],
+            evaluated,
+            row["epoch_sec"],
+            row["images_per_sec"],
+            data_wait(row),
+            precision,
+            efficiency_line(row),
+        )
+        scalars = {}
+        for key, value in row.items():
+            split, _, name = key.partition("_")
+            if key == "epoch":
+                continue
+            if split in ("train", "val", "test"):
+                scalars[f"{split}/{name}"] = value
+            else:
+                scalars[f"{'perf' if key in PERF_KEYS else 'time'}/{key}"] = value
+        self.loggers.log_metrics(scalars, step=row["epoch"])
+
+    def final(self, final: dict, status: str, history: list[dict]) -> None:
+        if status == "evaluated":  # the checkpoint's training figures are not this run's: evaluation only
+            log.info(
+                "evaluated %s: test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images) | val top-1 %.2f%%",
+                self.cfg.ckpt_path,
+                final["test_loss"],
+                final["test_top1"],
+                final["test_top5"],
+                final["test_count"],
+                final["val_top1"],
+            )
+            write_metrics(self.run_dir, self.cfg, status, final, [], self.hparams, self.device, name="eval.json")
+            log.info("outputs: %s (eval.json)", self.run_dir)
+            return
+        log_final(final, self.hparams["processes"] > 1)
+        advice = data_bound_advice(final, self.hparams["loader"], self.hparams["num_workers"], self.from_disk)
+        if advice:
+            log.warning(advice)
+        self.loggers.log_metrics(
+            {f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")}, step=len(history)
+        )
+        self.loggers.log_hparams({**self.hparams, "status": status}, final)
+        write_metrics(self.run_dir, self.cfg, status, final, history, self.hparams, self.device)
+        log.info("outputs: %s (metrics.json, checkpoints/, logs)", self.run_dir)
+
+    def failed(self, status: str, history: list[dict]) -> None:
+        """A run that stopped without final metrics (e.g. diverged): metrics.json says so."""
+        write_metrics(self.run_dir, self.cfg, status, {}, history, self.hparams, self.device)
+        self.loggers.log_hparams({**self.hparams, "status": status}, {})  # recognisable in the HParams tab
+
+    def close(self) -> None:
+        self.loggers.close()

@@ -1,0 +1,1 @@
+"""One run from the command line to metrics.json: plan, launch, the training loop and sweeps."""

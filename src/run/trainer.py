@@ -1,0 +1,446 @@
+"""`train(cfg) -> metrics`: the training loop every strategy and launcher shares."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from src.config.commands import train_command
+from src.config.errors import ConfigError
+from src.config.layout import Layout
+from src.data.datasets import load_data
+from src.data.loader_choice import build_loader
+from src.data.loaders import eval_shard, plan_epoch
+from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
+from src.models import build_model
+from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
+from src.reporting.results import Reporter
+from src.run.evaluate import evaluate
+from src.run.meter import EpochMeter
+from src.run.objective import build_loss_terms
+from src.run.optim import build_optimizer
+from src.run.plan import plan_layout
+from src.state.run_state import Checkpoints, Progress
+from src.state.signals import StopRequest
+from src.strategies import Context, apply_activation_checkpointing, build_strategy
+
+log = logging.getLogger("ddplab")
+
+
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class OutOfMemory(RuntimeError):
+    """A training or evaluation step ran out of device memory; the message says what to change."""
+
+
+class WorkerDied(RuntimeError):
+    """A DataLoader worker process died (killed by a signal, often the host's out-of-memory killer)."""
+
+
+STOPPED = {Diverged: "diverged", OutOfMemory: "out_of_memory", WorkerDied: "data_worker_died"}  # metrics' status
+
+
+def prepare_run(cfg: DictConfig) -> Trainer:
+    """This rank's run: its layout validated, the process group joined (nothing built yet)."""
+    env = rank_env()
+    layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
+    # declared threads per process, so single vs ddp on a CPU compares the same cores
+    threads = cfg.trainer.threads
+    if threads == "auto":  # a cluster's per-task CPUs (OMP_NUM_THREADS, e.g. cluster.cpus_per_task) come first
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    torch.set_num_threads(threads)
+    return Trainer(cfg, env, layout, init_process_group(env, layout.device_type))
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
+    with process_settings_restored():
+        run = prepare_run(cfg)
+        try:
+            return run.execute()
+        finally:
+            run.close()
+            destroy_process_group()
+            if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
+                torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
+
+
+@contextlib.contextmanager
+def process_settings_restored():
+    """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads); the next run in
+    the same process (a local Hydra multirun, a notebook) starts from the process's own, not this run's."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, threads = saved
+        torch.set_num_threads(threads)
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
+        self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
+        self.t = cfg.trainer
+        self.primary = env.is_primary
+        self.run_dir = Path(cfg.paths.output_dir)
+        amp_dtype = torch.bfloat16 if self.t.amp_dtype == "bf16" else torch.float16
+        if self.t.amp and amp_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            amp_dtype = torch.float16
+        self.amp_dtype = amp_dtype
+        self.autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=self.t.amp)
+        self.loader = self.reporter = None
+
+    def close(self) -> None:
+        for part in (self.loader, self.reporter):
+            if part is not None:
+                part.close()
+
+    def build(self) -> None:
+        """Data, model, strategy, optimizer, schedule and checkpoints: everything the loop needs."""
+        cfg, t = self.cfg, self.t
+        torch.manual_seed(cfg.seed)
+        self.strategy = build_strategy(cfg.strategy)
+        if t.deterministic:  # the same bits run to run, and fp32 without TF32's 10-bit mantissa
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        elif self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
+        self.data = load_data(cfg.data)
+        if cfg.train and self.layout.global_batch > len(self.data.train):  # a step would use fewer images than said
+            raise ConfigError(
+                f"data.batch_size={self.layout.global_batch} is larger than the {len(self.data.train)} training "
+                f"images; set at most {len(self.data.train)}"
+            )
+        if cfg.data.get("cutout", 0) >= min(self.data.image_size):  # it would blank every training image
+            raise ConfigError(
+                f"data.cutout={cfg.data.cutout} must be smaller than the images "
+                f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0"
+            )
+        if t.tta_shift >= min(self.data.image_size):
+            raise ConfigError(
+                f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
+                f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0"
+            )
+        model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
+        self.flops_per_image = self._count_flops(model)
+        if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
+            model = model.to(memory_format=torch.channels_last)
+        if t.activation_checkpointing:  # before wrap: FSDP shards and compiles each checkpointed block whole
+            apply_activation_checkpointing(model, self.strategy.blocks(model))
+        self.model = self.strategy.wrap(
+            model,
+            Context(self.device, t.amp, self.amp_dtype, self.layout.devices_per_process, t.compile, t.compile_mode),
+        )
+        self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
+        # every strategy and accumulation gets the gradient of the mean loss over the global batch
+        self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
+        self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
+        self.loader = build_loader(
+            self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile, self.env.local_world_size
+        )
+        self.optimizer = build_optimizer(
+            cfg.optim, self.strategy.core, fused=self.device.type == "cuda" and self.strategy.fused_optimizer
+        )
+        self._last_plan = None
+        self.steps_per_epoch = len(self.plan(0))
+        self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
+        self.scheduler = instantiate(cfg.scheduler)(
+            self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
+        self.checkpoints = Checkpoints(
+            self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler, self.primary
+        )
+        self.progress = Progress()
+        if self.primary:
+            self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader, self.device)
+
+    def _count_flops(self, model: torch.nn.Module) -> float:
+        """FLOPs of one training image (forward + backward), counted once on two images: linear in the batch."""
+        x = torch.randn(2, self.data.channels, *self.data.image_size, device=self.device)
+        try:  # the model's first forward: where a model built for other inputs fails
+            return train_step_flops(model, x, torch.zeros(2, dtype=torch.long, device=self.device)) / 2
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            m, shape = self.cfg.model, "x".join(map(str, x.shape[1:]))
+            name = f"model={m.name}" if m.get("name") else f"model._target_={m._target_}"
+            side = self.data.image_size[0]
+            hint = "pick a model" if "img_size" not in m else f"set model.img_size={side} (ViTs)"
+            if m.get("img_size") == side:  # the size fits, the patches do not
+                hint = f"set a patch no larger than the image, e.g. +model.kwargs.patch_size={max(1, side // 2)}"
+            raise ConfigError(
+                f"{name} cannot take this data's {shape} images ({str(exc).strip().splitlines()[-1]}); {hint} "
+                f"or choose a model for this input size"
+            ) from None
+
+    def efficiency(self, images_per_sec: float) -> dict:
+        """Peak memory (max over ranks) and achieved TFLOP/s and MFU per device (collective)."""
+        out = {k: reduce_max(v, self.device) for k, v in memory_stats(self.device).items()}
+        devices = self.layout.world_size * self.layout.devices_per_process
+        per_device = self.flops_per_image * images_per_sec / devices
+        out["tflops_per_gpu"] = per_device / 1e12
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        peak = peak_flops(name, self.amp_dtype if self.t.amp else torch.float32)
+        if peak:  # known GPUs only: there is no honest peak for a CPU
+            out["mfu"] = per_device / peak
+        return out
+
+    def plan(self, epoch: int):
+        """The epoch's steps; the last plan is kept, as the next epoch's is made ahead for loader.prepare."""
+        if self._last_plan and self._last_plan[0] == epoch:
+            return self._last_plan[1]
+        # with torch.compile a short last batch would trigger a recompile: drop it
+        steps = plan_epoch(
+            len(self.data.train),
+            self.layout.global_batch,
+            self.layout.world_size,
+            self.env.rank,
+            self.layout.accumulate,
+            self.cfg.seed,
+            epoch,
+            drop_last=self.t.compile,
+        )
+        limit = self.t.limit_train_batches
+        self._last_plan = (epoch, steps[:limit] if limit else steps)
+        return self._last_plan[1]
+
+    def eval_ids(self, split: str) -> torch.Tensor:
+        """This rank's sample ids of an evaluation of `split`."""
+        ids = eval_shard(len(getattr(self.data, split)), self.layout.world_size, self.env.rank)
+        if self.t.limit_eval_batches:
+            ids = ids[: self.t.limit_eval_batches * self.cfg.data.eval_batch_size]
+        return ids
+
+    def epoch_evals(self) -> list[str]:
+        """The splits evaluated after each epoch: val, and test with trainer.test_every_epoch (a curve, never used
+        to pick weights); a split with no samples is left out."""
+        splits = ("val", "test") if self.t.test_every_epoch else ("val",)
+        return [split for split in splits if len(getattr(self.data, split))]
+
+    def evaluate(self, split: str) -> dict:
+        batches = self.loader.eval_batches(split, self.eval_ids(split), self.cfg.data.eval_batch_size)
+        try:
+            return evaluate(
+                self.strategy.eval_module(),
+                batches,
+                self.device,
+                self.autocast,
+                flip_tta=self.t.flip_tta,
+                tta_shift=self.t.tta_shift,
+            )
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemory(self.out_of_memory(exc, training=False)) from None
+
+    def out_of_memory(self, exc: torch.OutOfMemoryError, training: bool) -> str:
+        lay, data = self.layout, self.cfg.data
+        fixes = []
+        if training:
+            images = lay.per_device_batch
+            if images > 1:  # more micro-steps of fewer images: the same global batch, so the same run
+                per_step = lay.global_batch // (lay.world_size * lay.devices_per_process)
+                more = [a for a in range(lay.accumulate + 1, per_step + 1) if per_step % a == 0]
+                lower = f"lower data.batch_size (now {lay.global_batch})"
+                fixes.append(f"{lower} or set trainer.accumulate_grad_batches={more[0]}" if more else lower)
+            if not self.t.activation_checkpointing:
+                fixes.append("set trainer.activation_checkpointing=true")
+        else:
+            images = max(1, data.eval_batch_size // lay.devices_per_process)
+            if images > 1:
+                fixes.append(f"lower data.eval_batch_size (now {data.eval_batch_size})")
+        devices = lay.world_size * lay.devices_per_process
+        if self.device.type == "cuda":
+            devices = max(devices, torch.cuda.device_count())
+        where = f"a{' training' if training else 'n evaluation'} step on rank {self.env.rank}"
+        return out_of_memory_line(exc, where, self.device, images, fixes + self.strategy.memory_fixes(devices))
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def train_epoch(self, epoch: int, stop: StopRequest) -> dict:
+        steps = self.plan(epoch)
+        p = self.progress
+        first = p.step if epoch == p.epoch else 0
+        meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
+        reset_peak(self.device)
+        with tqdm(
+            total=len(steps),
+            initial=first,
+            desc=f"epoch {epoch + 1}/{self.t.max_epochs}",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not (self.primary and self.t.progress_bar),
+        ) as bar:  # closed on an error too: its line must not swallow the one-line error
+            self.model.train()
+            batches, step = self.loader.train_batches(steps[first:], epoch), first
+            while (micro := meter.next(batches)) is not None:
+                if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
+                    torch.compiler.cudagraph_mark_step_begin()
+                with self.strategy.sync_context(micro.boundary), self.autocast():
+                    # sum / (samples of the whole step), x world where the strategy averages over ranks
+                    loss, metrics = self.loss_terms(
+                        self.model(micro.x), micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing
+                    )
+                self.scaler.scale(loss).backward()
+                meter.add(metrics, len(micro.y))
+                if not micro.boundary:
+                    continue
+                self.strategy.sync_gradients()
+                self.optimizer_step()
+                step += 1
+                bar.update(1)
+                if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
+                    bar.set_postfix(loss=f"{meter.running_loss():.4f}")
+                if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
+                    self._save_and_exit(stop, epoch, step, meter)
+        if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
+            evals = [(split, self.eval_ids(split), self.cfg.data.eval_batch_size) for split in self.epoch_evals()]
+            self.loader.prepare(self.plan(epoch + 1), epoch + 1, evals)
+        row = meter.finish(sum(s.global_count for s in steps[first:]))
+        return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
+
+    def optimizer_step(self) -> None:
+        if self.t.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.strategy.core.parameters(), self.t.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _save_and_exit(self, stop: StopRequest, epoch: int, step: int, meter: EpochMeter) -> None:
+        self.progress.epoch, self.progress.step = epoch, step
+        self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
+        saved = self.checkpoints.save(["last"], self.progress)[0]
+        self._say_saved(stop, saved, f"at epoch {epoch + 1} step {step}")
+        stop.hand_over()
+
+    def _say_saved(self, stop: StopRequest, saved: Path, where: str) -> None:
+        if self.primary:
+            log.warning(
+                "signal %s: saved %s in %s %s; resume with: %s",
+                stop.signum,
+                saved.relative_to(self.run_dir),
+                self.run_dir,
+                where,
+                train_command(("hydra.run.dir", self.run_dir)),
+            )
+
+    def fit(self) -> None:
+        stop = StopRequest(elastic=self.env.launcher == "torchelastic")
+        try:
+            for epoch in range(self.progress.epoch, self.t.max_epochs):
+                try:
+                    row = {"epoch": epoch + 1, **self.train_epoch(epoch, stop)}
+                except torch.OutOfMemoryError as exc:
+                    raise OutOfMemory(self.out_of_memory(exc, training=True)) from None
+                row["train_sec_total"] = self.progress.train_seconds + row["epoch_sec"]  # for time-to-accuracy
+                for split in self.epoch_evals():
+                    row.update({f"{split}_{k}": v for k, v in self.evaluate(split).items() if k != "count"})
+                bad = [k for k in ("train_loss", "val_loss", "test_loss") if not math.isfinite(row.get(k, 0.0))]
+                if bad:  # NaN/inf weights or logits: every later number would be meaningless
+                    raise Diverged(
+                        f"the {bad[0].replace('_', ' ')} is {row[bad[0]]} in epoch {epoch + 1}; lower "
+                        f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch"
+                    )
+                is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
+                saved = self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
+                stopping = stop.agreed(0, self.layout.world_size, self.device, 1)  # one came during the evaluation
+                if self.primary:
+                    self.reporter.epoch(row)
+                if stopping:  # (one that comes from here on stops the next epoch's steps)
+                    self._say_saved(stop, saved[-1], f"at the end of epoch {epoch + 1}")
+                    stop.hand_over()
+        finally:
+            stop.restore()
+
+    @contextlib.contextmanager
+    def stops_in_one_line(self):
+        """A run that cannot go on (diverged, out of memory, a data worker died): metrics.json says why, the user
+        gets the message as one line."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if str(exc).startswith("DataLoader worker (pid"):  # torch's words, raised wherever this process was
+                command = train_command(("hydra.run.dir", self.run_dir))
+                resume = f", then resume with: {command}" if self.cfg.train else ""
+                exc = WorkerDied(
+                    f"{str(exc).splitlines()[0].rstrip('. ')}: a data loading worker died (often the host's "
+                    f"out-of-memory killer); lower data.num_workers (now {self.loader.num_workers}) "
+                    f"or data.batch_size{resume}"
+                )
+            if type(exc) not in STOPPED:
+                raise
+            if self.primary and self.cfg.train:  # an evaluation (train=false) leaves the training run's file alone
+                self.reporter.failed(STOPPED[type(exc)], self.progress.history)
+            raise ConfigError(str(exc)) from None
+
+    def execute(self) -> dict:
+        self.build()
+        lay = self.layout
+        if self.primary and self.cfg.train:
+            log.info(
+                "strategy=%s world_size=%d device=%s | global batch %d = %d per device x %d devices x %d "
+                "accumulation | %d steps/epoch",
+                lay.strategy,
+                lay.world_size,
+                self.device.type,
+                lay.global_batch,
+                lay.per_device_batch,
+                lay.world_size * lay.devices_per_process,
+                lay.accumulate,
+                self.steps_per_epoch,
+            )
+        if self.cfg.train:
+            path = self.checkpoints.resume_path()
+            if path is not None:
+                self.progress = self.checkpoints.restore(path)
+            with self.stops_in_one_line():
+                self.fit()
+            # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?
+            self.strategy.sync_buffers()
+            in_sync = self.strategy.replicas_agree(self.device)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            self.checkpoints.load_weights(self.checkpoints.final_weights())
+            status = "completed"
+        else:
+            if not self.cfg.ckpt_path:
+                raise ConfigError("train=false needs ckpt_path=<checkpoint file> to evaluate")
+            state = self.checkpoints.load_weights(self.cfg.ckpt_path)
+            self.progress = Progress(best_epoch=state.get("best_epoch", 0))  # its training figures stay its own
+            status = "evaluated"
+            self.strategy.sync_buffers()
+            in_sync = self.strategy.replicas_agree(self.device)
+        with self.stops_in_one_line():
+            val = self.evaluate("val") if len(self.data.val) else {"loss": math.nan, "top1": math.nan, "top5": math.nan}
+            test = self.evaluate("test")
+        final = {
+            "test_loss": test["loss"],
+            "test_top1": test["top1"],
+            "test_top5": test["top5"],
+            "test_count": test["count"],
+            "val_loss": val["loss"],
+            "val_top1": val["top1"],
+            "val_top5": val["top5"],
+            "best_val_top1": val["top1"],
+            "best_epoch": self.progress.best_epoch,
+            **Reporter.summarize(self.progress.history),
+            **in_sync,
+        }
+        if self.primary:
+            self.reporter.final(final, status, self.progress.history)
+        return final

@@ -1,0 +1,1 @@
+"""What survives a process: checkpoints, the resume rules, stop signals and the run lock."""

@@ -1,0 +1,115 @@
+"""What a run must remember to resume: its position, best epoch and history, and the checkpoints that hold them."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.config.errors import ConfigError
+from src.state import checkpoint as ckpt
+
+log = logging.getLogger("ddplab")
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every checkpoint."""
+
+    epoch: int = 0  # the epoch to run next (or the one interrupted)
+    step: int = 0  # optimizer steps of `epoch` already done (a mid-epoch checkpoint)
+    partial_totals: torch.Tensor | None = None  # that epoch's loss sum / hits / samples so far, over all ranks
+    best_val_top1: float = -math.inf
+    best_epoch: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def record(self, row: dict, has_val: bool) -> bool:
+        """Add an epoch's row; True if its weights are the best so far (no validation split: the latest)."""
+        self.history.append(row)
+        is_best = not has_val or row["val_top1"] > self.best_val_top1
+        if is_best:
+            self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), row["epoch"]
+        self.epoch, self.step, self.partial_totals = row["epoch"], 0, None
+        return is_best
+
+    @property
+    def train_seconds(self) -> float:
+        return self.history[-1]["train_sec_total"] if self.history else 0.0
+
+
+class Checkpoints:
+    """`<run dir>/checkpoints/{last,best}`: the strategy decides the format (a `.pt` file written by rank 0, or a
+    sharded directory every rank writes into: src/state/checkpoint.py); either format resumes and evaluates anywhere."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
+        self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
+        self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
+        self.resumed_from: Path | None = None
+        if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
+            ckpt.remove_partial_writes(self.dir)
+
+    def resume_path(self) -> Path | None:
+        resume, last = self.cfg.trainer.resume, ckpt.find(self.dir, "last")
+        if resume in (None, "none"):
+            if last is not None:
+                raise ConfigError(
+                    f"{self.dir.parent} already holds a run (checkpoints/{last.name}) and "
+                    f"trainer.resume=none would overwrite it; use trainer.resume=auto or a new run "
+                    f"directory"
+                )
+            return None
+        if resume == "auto":
+            return last
+        return Path(resume)
+
+    def save(self, names: list[str], progress: Progress) -> list[Path]:
+        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). Returns the paths written."""
+        totals = progress.partial_totals
+        state = {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "partial_totals": None if totals is None else totals.cpu(),
+            "best_val_top1": progress.best_val_top1,
+            "best_epoch": progress.best_epoch,
+            "history": progress.history,
+            "rng": ckpt.rng_state(),
+            "strategy": self.strategy.name,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+        names = [name.removesuffix(".pt") for name in names]
+        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
+        return [ckpt.find(self.dir, name) or self.dir / name for name in names]
+
+    def load_weights(self, path, with_optimizer: bool = False) -> dict:
+        return self.strategy.load_checkpoint(path, self.optimizer if with_optimizer else None)
+
+    def restore(self, path: Path) -> Progress:
+        state = self.load_weights(path, with_optimizer=True)
+        self.resumed_from = Path(path)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        if self.primary:
+            log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
+        return Progress(
+            state["epoch"],
+            state["step"],
+            state["partial_totals"],
+            state["best_val_top1"],
+            state["best_epoch"],
+            state["history"],
+        )
+
+    def final_weights(self) -> Path:
+        """The best epoch's weights; a run resumed from another dir's checkpoint with no epoch left to train
+        has none of its own: that run's best, else the checkpoint it resumed from."""
+        own = ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last")
+        if own is None and self.resumed_from is not None:
+            return ckpt.find(self.resumed_from.parent, "best") or self.resumed_from
+        return own or self.dir / "last.pt"

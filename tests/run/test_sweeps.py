@@ -1,0 +1,185 @@
+"""A CPU sweep through the CLI with failing points, then the report and TensorBoard's HParams on its outputs; sweeps
+refused before anything ran leave no directory; submitit's local executor shows progress and keeps its logs in the
+sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def job(seed: str, strategy: str) -> str:
+    """Hydra's override_dirname: every override of the job, sorted, key=value joined by commas."""
+    return f"debug=fast,seed={seed},strategy={strategy},trainer.max_epochs=1"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    sweep_dir = tmp_path_factory.mktemp("sweep") / "s"
+    proc = run_cli(
+        "-m",
+        "debug=fast",
+        "trainer.max_epochs=1",
+        "seed=1,2,x",
+        "strategy=single,ddp",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=600,
+    )
+    assert proc.returncode != 0, "the seed=x points must fail the sweep"
+    return sweep_dir, proc
+
+
+def test_each_job_dir_is_named_from_its_overrides(sweep):
+    sweep_dir, proc = sweep
+    names = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert names == sorted(job(s, k) for s in ("1", "2", "x") for k in ("single", "ddp"))
+    for s in ("1", "2"):
+        for k in ("single", "ddp"):
+            m = json.loads((sweep_dir / job(s, k) / "metrics.json").read_text())
+            assert m["status"] == "completed" and m["hparams"]["world_size"] == (2 if k == "ddp" else 1)
+    assert not (sweep_dir / job("x", "ddp") / "metrics.json").exists()
+
+
+def test_failed_points_are_one_line_each_and_summed_up_at_the_end(sweep):
+    _, proc = sweep
+    assert proc.returncode == 2  # every failure is a bad input, as a single run's
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+    failed = sorted(job("x", k) for k in ("ddp", "single"))
+    said = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert [line.split(": ", 2)[1] for line in said] == failed  # as each one failed
+    assert all(line.endswith("seed must be an integer >= 0 and <= 4294967295, got 'x'") for line in said), said
+    summary = proc.stderr[proc.stderr.index("sweep: 2 point(s) failed:") :].splitlines()[1:3]
+    assert [line.split(": ", 1)[0].strip() for line in summary] == failed, summary  # again at the end
+    assert all(line.endswith("seed must be an integer >= 0 and <= 4294967295, got 'x'") for line in summary), summary
+
+
+def test_report_table_matches_the_jobs(sweep):
+    sweep_dir, _ = sweep
+    out = subprocess.run(
+        [sys.executable, "-m", "src.reporting.report", str(sweep_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["config"]: r for r in csv.DictReader((sweep_dir / "results.csv").open())}
+    assert set(rows) == {f"debug=fast,strategy={k},trainer.max_epochs=1" for k in ("single", "ddp")}
+    for strategy in ("single", "ddp"):
+        finals = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text())["final"] for s in (1, 2)]
+        row = rows[f"debug=fast,strategy={strategy},trainer.max_epochs=1"]
+        assert int(row["n"]) == 2
+        for metric in ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec"):
+            values = [f[metric] for f in finals]
+            assert float(row[f"{metric}_mean"]) == pytest.approx(statistics.mean(values), rel=1e-9)
+            assert float(row[f"{metric}_std"]) == pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-12)
+    md = (sweep_dir / "results.md").read_text()
+    assert job("x", "single") in md and job("x", "ddp") in md  # failed jobs listed by name
+    assert (sweep_dir / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hparams_summary_is_in_each_jobs_event_file(sweep):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    sweep_dir, _ = sweep
+    job_dir = sweep_dir / job("2", "ddp")
+    acc = EventAccumulator(str(job_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["strategy"].string_value == "ddp" and start.hparams["world_size"].number_value == 2
+    final = json.loads((job_dir / "metrics.json").read_text())["final"]
+    assert acc.Scalars("hparams/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
+    assert len(list(job_dir.glob("events.out.tfevents.*"))) == 1  # one event file: no stray add_hparams sub-run
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("optim.lr=-1,-2",), "optim.lr must be a number > 0"),  # every point fails in its job
+        (("cluster=local_tasks", "strategy=single", "seed=1,2"), "strategy=single runs one process"),  # before any
+    ],
+)
+def test_a_sweep_refused_before_anything_ran_leaves_no_directory(tmp_path, overrides, message):
+    proc = run_cli("-m", "debug=fast", *overrides, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    left = [p for p in tmp_path.rglob("*") if "multirun" in p.parts and p.name != "multirun"]
+    assert left == [] and not (tmp_path / ".submitit").exists()
+
+
+def test_a_failed_sweep_into_an_existing_folder_deletes_nothing_of_it(tmp_path):
+    logs = tmp_path / "my logs"
+    (logs / "old").mkdir(parents=True)
+    (logs / "notes.txt").write_text("mine")
+    (logs / "old/run.log").write_text("also mine")
+    proc = run_cli("-m", "debug=fast", "data.batch_size=0,-1", f"hydra.sweep.dir={logs}", cwd=tmp_path)
+    assert proc.returncode == 2 and "removed" not in proc.stderr, proc.stderr[-3000:]  # was: rmtree of the folder
+    assert (logs / "notes.txt").read_text() == "mine" and (logs / "old/run.log").read_text() == "also mine"
+
+
+def test_local_tasks_shows_progress_and_keeps_its_logs_in_the_sweep(tmp_path):
+    proc = run_cli("cluster=local_tasks", "debug=fast", "optim.lr=0.1,-1", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [sweep] = [p for p in (tmp_path / "multirun").glob("*/*")]
+    ok, bad = "cluster=local_tasks,debug=fast,optim.lr=0.1", "cluster=local_tasks,debug=fast,optim.lr=-1"
+    assert (sweep / ok / "metrics.json").exists() and not (sweep / bad / "metrics.json").exists()
+    assert f"[{ok}] " in proc.stdout and "epoch 2/2" in proc.stdout  # rank 0's log, while the jobs ran
+    assert f"outputs in {sweep.relative_to(tmp_path)}" in proc.stderr
+    assert f"  {bad}: optim.lr must be a number > 0, got -1" in proc.stderr  # from the job's own process
+    assert "Traceback" not in proc.stderr
+    # the task logs sit in the sweep, one folder per job id: no `%j` folder there or `.submitit` in the cwd
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    jobs = list((sweep / ".submitit").iterdir())
+    assert len(jobs) == 2 and all(p.name.replace("_", "").isdigit() for p in jobs), jobs
+    assert all((p / f"{p.name}_0_log.out").exists() for p in jobs)
+
+
+def test_two_identical_sweeps_into_one_folder_each_report_what_happened_to_their_points(tmp_path):
+    args = [sys.executable, str(ROOT / "train.py"), "-m", "debug=fast", "seed=1,2", f"hydra.sweep.dir={tmp_path}/s"]
+    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    procs.append(subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        refused = "in use by another live run" in err or "still held by the ranks" in err
+        if proc.returncode == 0:  # was: a point refused by the other sweep's lock, then "every point completed"
+            assert not refused and "every point completed" in out, err[-2000:]
+        else:
+            assert refused and "point(s) failed" in err and "Traceback" not in err, err[-2000:]
+    for seed in (1, 2):  # whatever the interleaving, every point completed in one of the two
+        assert json.loads((tmp_path / f"s/debug=fast,seed={seed}/metrics.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("launcher", ["cluster=slurm", "hydra/launcher=submitit_slurm"])
+def test_slurm_sweeps_on_a_machine_without_slurm_are_one_line_naming_local_tasks(tmp_path, launcher):
+    (tmp_path / "bin").mkdir()  # a PATH without srun and sbatch, whether or not this machine has them
+    proc = run_cli("-m", launcher, "debug=fast", "seed=1,2", cwd=tmp_path, env={"PATH": str(tmp_path / "bin")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: 25 lines
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: srun and sbatch not found") and "cluster=local_tasks" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # no sweep folder
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (make slurm-install)")
+def test_a_slurm_client_without_a_controller_is_one_line(tmp_path):
+    conf = tmp_path / "slurm.conf"  # the real client, pointed at a controller that is not running
+    conf.write_text(
+        "ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort=1\nNodeName=localhost CPUs=1 State=UNKNOWN\n"
+        "PartitionName=p Nodes=localhost Default=YES\nMessageTimeout=2\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    proc = run_cli("-m", "cluster=slurm", "debug=fast", cwd=tmp_path, env={**env, "SLURM_CONF": str(conf)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: 45 lines
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cluster=local_tasks" in lines[0], proc.stderr[-2000:]
