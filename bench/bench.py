@@ -401,7 +401,7 @@ def child_ceiling(spec: dict) -> dict:
     from omegaconf import OmegaConf
 
     from src.models import build_model
-    from src.run.objective import build_loss_terms
+    from src.run.loss import build_loss_terms
     from src.run.optim import build_optimizer
 
     device = torch.device(spec["device"])

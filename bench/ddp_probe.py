@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.models import cifar_resnet18  # noqa: E402
-from src.run.objective import build_loss_terms  # noqa: E402
+from src.run.loss import build_loss_terms  # noqa: E402
 from src.strategies import COMM_DTYPES, FlatGradientSync  # noqa: E402
 
 MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo optimize_ddp[, DDP options])

@@ -382,7 +382,7 @@ def test_each_epoch_is_planned_once(cfg_factory, monkeypatch):
 
 
 def test_objective_compiled_equals_eager_and_reference():
-    from src.run.objective import build_loss_terms
+    from src.run.loss import build_loss_terms
 
     torch.manual_seed(0)
     logits, y = torch.randn(32, 10), torch.randint(0, 10, (32,))

@@ -264,6 +264,7 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
         "seed=1,2",
         f"paths.root_dir={tmp_path}",
         command=_torchrun("--nproc_per_node=2"),
+        cwd=tmp_path,  # the sweep dir is relative to it: nothing lands in the checkout's multirun/
     )
     assert proc.returncode != 0
     assert "would run the whole sweep in every rank" in proc.stdout + proc.stderr
