@@ -25,8 +25,8 @@ from src.models import build_model
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
-from src.run.meter import EpochMeter
 from src.run.loss import build_loss_terms
+from src.run.meter import EpochMeter
 from src.run.optim import build_optimizer
 from src.run.plan import plan_layout
 from src.state.run_state import Checkpoints, Progress
