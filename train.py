@@ -1,6 +1,7 @@
 """ddplab entry point: `python train.py [group=option ...] [key=value ...]` (see README.md)."""
 
 import logging
+import math
 import signal
 import sys
 
@@ -36,7 +37,11 @@ def main(cfg: DictConfig) -> float | None:
             file=sys.stderr,
         )
         sys.exit(128 + signum)
-    return metrics.get("test_top1")  # what a Hydra sweeper optimizes
+    value = float(metrics.get(cfg.objective.metric, math.nan))  # what a sweeper optimizes: never a test figure
+    if math.isnan(value):  # a sweeper records the point as failed, not as a number to compare
+        logging.getLogger("ddplab").warning("objective %s: this run has no validation split", cfg.objective.metric)
+        return None
+    return value
 
 
 if __name__ == "__main__":

@@ -229,6 +229,9 @@ BAD_VALUES = [
     ("trainer.label_smoothing=abc", "trainer.label_smoothing must be a number >= 0 and < 1, got 'abc'"),
     # optimizer and schedule
     ("optim.lr=abc", "optim.lr must be a number > 0, got 'abc'"),
+    # a search scored on the test set selects on it (was: train.py returned test_top1 to every sweeper)
+    ("objective.metric=test_top1", "objective.metric must be one of val_top1, val_top5, val_loss, got 'test_top1'"),
+    ("objective.metric=val_loss", "objective.metric=val_loss would select the worst trial; set objective.direction"),
     ("optim.momentum=-0.1", "optim.momentum must be a number >= 0 and < 1, got -0.1"),
     ("optim.nesterov=maybe", "optim.nesterov must be true or false, got 'maybe'"),
     ("optim.decay_norm_and_bias=1", "optim.decay_norm_and_bias must be true or false, got 1"),

@@ -212,6 +212,15 @@ class Optim:
 
 
 @dataclass
+class Objective:
+    """What `train.py` returns to a sweeper: a figure of the validation split, so hyper-parameters are never
+    selected on the test set."""
+
+    metric: Literal["val_top1", "val_top5", "val_loss"]
+    direction: Literal["maximize", "minimize"]
+
+
+@dataclass
 class Top:
     seed: Annotated[int, Range(0, 2**32 - 1)]  # what every RNG takes (numpy's limit)
     train: bool
@@ -220,7 +229,7 @@ class Top:
 
 def check(cfg: DictConfig) -> None:
     """Every option of the composed config, before any process starts or any file is written."""
-    groups = ("paths", "data", "model", "optim", "scheduler", "strategy", "trainer", "cluster", "logger")
+    groups = ("paths", "data", "model", "optim", "scheduler", "strategy", "trainer", "cluster", "logger", "objective")
     for key in cfg:
         if key not in groups and key not in declared(Top) and key != "hydra":
             raise ConfigError(
@@ -230,6 +239,13 @@ def check(cfg: DictConfig) -> None:
     for key in declared(Top):
         check_value(key, cfg.get(key), declared(Top)[key])
     check_section(cfg.trainer, "trainer", Trainer)
+    check_section(cfg.objective, "objective", Objective)
+    metric, direction = cfg.objective.metric, cfg.objective.direction
+    if (direction == "minimize") != str(metric).endswith("_loss"):
+        raise ConfigError(
+            f"objective.direction={direction} with objective.metric={metric} would select the worst trial; "
+            f"set objective.direction={'minimize' if metric.endswith('_loss') else 'maximize'}"
+        )
     check_section(cfg.optim, "optim", Optim, skip=("_partial_",))
     if len(cfg.optim.get("betas", [0, 0])) != 2:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")

@@ -29,7 +29,14 @@ from pathlib import Path
 
 import yaml
 
-METRICS = ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec")
+METRICS = (
+    "val_top1",
+    "test_loss",
+    "test_top1",
+    "test_top5",
+    "sec_per_epoch",
+    "images_per_sec",
+)  # val: what a search picks by
 OPTIONAL_METRICS = (
     "peak_mem_gb",
     "peak_host_mem_gb",
@@ -37,6 +44,7 @@ OPTIONAL_METRICS = (
     "mfu",
 )  # a column only when some job reports it
 FORMATS = {
+    "val_top1": ".2f",
     "test_loss": ".4f",
     "test_top1": ".2f",
     "test_top5": ".2f",

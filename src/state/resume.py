@@ -18,6 +18,7 @@ from src.state.checkpoint import Unreadable, find, load
 MAY_CHANGE = (
     "strategy",
     "cluster",
+    "objective",
     "paths",
     "logger",
     "hydra",

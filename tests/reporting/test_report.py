@@ -31,6 +31,7 @@ def final_metrics(strategy: str, seed: int) -> dict:
     """Distinct, deterministic numbers for every job."""
     k = {"ddp": 1, "single": 2, "fsdp": 3}[strategy]
     return {
+        "val_top1": 89.0 + k + 0.5 * seed,
         "test_loss": 0.1 * k + 0.013 * seed,
         "test_top1": 90.0 + k + 0.7 * seed,
         "test_top5": 99.0 + 0.1 * seed,
@@ -117,9 +118,13 @@ def test_cli_writes_md_csv_png(sweep, tmp_path):
     md = (out / "results.md").read_text()
     assert md == proc.stdout.split("wrote ")[0].rstrip("\n") + "\n"
     # the override common to all rows is left out of the labels
-    assert f"| `strategy=ddp` | 3 | 1 | {loss_mean:.4f} ± {loss_std:.4f} | {mean:.2f} ± {std:.2f} |" in md
-    fsdp_loss = final_metrics("fsdp", 0)["test_loss"]
-    assert f"| `strategy=fsdp` | 1 | 0 | {fsdp_loss:.4f} ± — |" in md
+    val_mean, val_std = expected("ddp", [0, 1, 2], "val_top1")
+    row = (
+        f"| `strategy=ddp` | 3 | 1 | {val_mean:.2f} ± {val_std:.2f} | {loss_mean:.4f} ± {loss_std:.4f} | {mean:.2f} ± "
+    )
+    assert row + f"{std:.2f} |" in md
+    fsdp = final_metrics("fsdp", 0)
+    assert f"| `strategy=fsdp` | 1 | 0 | {fsdp['val_top1']:.2f} ± — | {fsdp['test_loss']:.4f} ± — |" in md
     assert "## Failed or unfinished jobs: 2" in md
     assert f"{COMMON},seed=3,strategy=ddp`: no metrics.json (crashed, killed or still running)" in md
     assert f"{COMMON},seed=3,strategy=single`: status=running" in md

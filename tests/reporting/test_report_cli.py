@@ -32,6 +32,7 @@ CONFIG = {
 
 def final(top1: float, extra=None) -> dict:
     return {
+        "val_top1": top1 - 1,
         "test_loss": 0.3,
         "test_top1": top1,
         "test_top5": 99.5,
@@ -165,8 +166,8 @@ def test_optional_metric_and_setting_columns(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "Settings common to all rows: `max_epochs=10`, `optimizer=sgd`, `scheduler=cosine`" in md
     head = (
-        "| configuration | model | world_size | n | failed | test_loss | test_top1 | test_top5 | sec_per_epoch "
-        "| images_per_sec | peak_mem_gb | tflops_per_gpu | mfu |"
+        "| configuration | model | world_size | n | failed | val_top1 | test_loss | test_top1 | test_top5 "
+        "| sec_per_epoch | images_per_sec | peak_mem_gb | tflops_per_gpu | mfu |"
     )
     assert head in md
     ddp_perf = " | ".join(f"{PERF[k] + 1.5:{report.FORMATS[k]}} ± {0.7071:{report.FORMATS[k]}}" for k in PERF)
@@ -195,7 +196,7 @@ def test_columns_absent_when_no_job_reports_them(tmp_path):
         )
     report.main([str(tmp_path)])
     md = (tmp_path / "results.md").read_text()
-    assert "| configuration | model | max_epochs | n | failed | test_loss |" in md
+    assert "| configuration | model | max_epochs | n | failed | val_top1 | test_loss |" in md
     assert "Settings common to all rows: `world_size=1`, `optimizer=SGD`, `scheduler=warmup_cosine`" in md
     assert "| `trainer.max_epochs=10` | cifar_resnet18 | 10 | 1 | 0 |" in md
     assert not any(m in md for m in report.OPTIONAL_METRICS)

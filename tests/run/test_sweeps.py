@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, run_cli
 
@@ -183,3 +184,32 @@ def test_a_slurm_client_without_a_controller_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: 45 lines
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "cluster=local_tasks" in lines[0], proc.stderr[-2000:]
+
+
+def test_an_optuna_search_is_scored_on_validation_and_survives_a_diverged_trial(tmp_path):
+    sweep = tmp_path / "search"
+    proc = run_cli(
+        "hparams_search=optuna",
+        "debug=fast",
+        "trainer.limit_train_batches=null",
+        "optim.lr=choice(0.05,0.5,1e6)",  # 1e6 diverges
+        "optim.weight_decay=0.0005",
+        "trainer.label_smoothing=0.0",
+        "hydra.sweeper.n_trials=4",
+        f"hydra.sweep.dir={sweep}",
+        timeout=600,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    trials = {}
+    for job in sweep.glob("*/metrics.json"):
+        m = json.loads(job.read_text())
+        trials[job.parent] = (m["status"], m["final"].get("val_top1"), m["final"].get("test_top1"), m["config"])
+    diverged = [job for job, t in trials.items() if t[0] == "diverged"]
+    assert diverged and proc.returncode == 2, proc.stderr[-2000:]  # reported, and the study went on
+    assert all(f"{job.name}: the train loss is nan" in proc.stderr for job in diverged)
+    done = {job: t for job, t in trials.items() if t[0] == "completed"}
+    assert len({t[1] for t in done.values()}) > 1  # the trials differ: the choice of the best means something
+    best_job = max(done, key=lambda job: done[job][1])
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["best_value"] == done[best_job][1] != done[best_job][2]  # validation, not test (was: test)
+    assert result["best_params"]["optim.lr"] == done[best_job][3]["optim"]["lr"]
