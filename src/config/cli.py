@@ -49,7 +49,8 @@ def problem(argv: list[str]) -> str | None:
         if "." in key or "/" in key or key not in groups or o.is_delete():
             continue
         options = sorted(p.stem for p in groups[key].glob("*.yaml") if not p.stem.startswith("_"))
-        values = [str(v) for v in o.sweep_iterator()] if o.is_sweep_override() else [str(o.value())]
+        chosen = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        values = [str(v) for item in chosen for v in (item if isinstance(item, list) else [item])]  # logger=[a,b]
         for value in values:
             if value != "null" and value not in options:
                 return f"{key}={value} is not a {key} option ({', '.join(options)}){_suggest(value, options)}"

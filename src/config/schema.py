@@ -190,6 +190,7 @@ class Trainer:
     max_restarts: Annotated[int, NonNegative]
     limit_train_batches: Annotated[int, Positive] | None
     limit_eval_batches: Annotated[int, Positive] | None
+    log_every_n_steps: Annotated[int, NonNegative]
     progress_bar: bool
     test_every_epoch: bool
     flip_tta: bool

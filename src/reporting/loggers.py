@@ -38,6 +38,10 @@ class Logger:
     def log_metrics(self, metrics: dict, step: int) -> None:
         """Scalars under flat tags (`train/loss`, `val/top1`, `time/epoch_sec`, ...) at `step` (the epoch)."""
 
+    def log_steps(self, metrics: dict, step: int) -> None:
+        """Every trainer.log_every_n_steps optimizer steps: `train_steps/loss`, `train_steps/lr`, ... at `step`
+        (the global optimizer step, an axis of its own)."""
+
     def log_hparams(self, hparams: dict, final: dict) -> None:
         """Once, at the end: hyper-parameters (str/number/bool values) and final metrics (may hold None/NaN)."""
 
@@ -54,6 +58,11 @@ class Loggers(Logger):
     def log_metrics(self, metrics: dict, step: int) -> None:
         for logger in self.loggers:
             logger.log_metrics(metrics, step)
+
+    def log_steps(self, metrics: dict, step: int) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "log_steps"):  # a logger of your own may keep to the epochs
+                logger.log_steps(metrics, step)
 
     def log_hparams(self, hparams: dict, final: dict) -> None:
         for logger in self.loggers:
@@ -137,6 +146,10 @@ class TensorBoardLogger(Logger):
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # a running job's curves show up in TensorBoard epoch by epoch
 
+    def log_steps(self, metrics: dict, step: int) -> None:
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
     def log_hparams(self, hparams: dict, final: dict) -> None:
         write_hparams(self.writer, hparams, final)
 
@@ -159,6 +172,8 @@ class CSVLogger(Logger):
         if Path(filename).name != filename or filename in (".", ".."):  # the run's files stay in its dir
             raise ConfigError(f"logger.csv.filename must be a file name in the run dir, got {filename!r}")
         self.path = Path(run_dir) / filename
+        self.steps = self.path.with_name(f"{self.path.stem}_steps.csv")
+        self.resumed_steps = self.steps.exists()
         self.rows: dict[int, dict] = {}
         if self.path.exists():
             with open(self.path, newline="") as f:
@@ -177,6 +192,28 @@ class CSVLogger(Logger):
             tmp.replace(self.path)
         except OSError as exc:
             raise ConfigError(f"cannot write {self.path} ({exc.strerror}); make it writable or pick logger=") from None
+
+    def log_steps(self, metrics: dict, step: int) -> None:
+        """`<name>_steps.csv`, appended to (the per-epoch file is rewritten, which would not scale to every step).
+        A resumed run first drops the rows logged after its checkpoint: the steps are logged again."""
+        row = {"step": step, **{k.removeprefix("train_steps/"): v for k, v in metrics.items()}}
+        try:
+            if self.resumed_steps:
+                self.resumed_steps = False
+                with open(self.steps, newline="") as f:
+                    kept = [r for r in csv.DictReader(f) if int(r["step"]) < step]
+                with open(self.steps, "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=list(row))
+                    writer.writeheader()
+                    writer.writerows(kept)
+            new = not self.steps.exists()
+            with open(self.steps, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(row))
+                if new:
+                    writer.writeheader()
+                writer.writerow(row)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {self.steps} ({exc.strerror}); make it writable or pick logger=") from None
 
 
 # --- Weights & Biases -----------------------------------------------------------------------------
@@ -219,9 +256,16 @@ class WandbLogger(Logger):
             config=OmegaConf.to_container(cfg, resolve=True),
             settings=wandb.Settings(silent=mode == "offline"),
         )  # nothing to link to offline
+        # two x axes: epoch rows and every-N-steps rows; W&B's own step just counts the calls
+        for prefix in ("train", "val", "test", "perf", "time"):
+            self.run.define_metric(f"{prefix}/*", step_metric="epoch")
+        self.run.define_metric("train_steps/*", step_metric="global_step")
 
     def log_metrics(self, metrics: dict, step: int) -> None:
-        self.run.log(dict(metrics), step=step)
+        self.run.log({**metrics, "epoch": step})
+
+    def log_steps(self, metrics: dict, step: int) -> None:
+        self.run.log({**metrics, "global_step": step})
 
     def log_hparams(self, hparams: dict, final: dict) -> None:
         # under config.hparams: names like `strategy` or `model` are already top-level groups of the config

@@ -272,6 +272,10 @@ class Reporter:
                 scalars[f"{'perf' if key in PERF_KEYS else 'time'}/{key}"] = value
         self.loggers.log_metrics(scalars, step=row["epoch"])
 
+    def step(self, row: dict, global_step: int) -> None:
+        """Every trainer.log_every_n_steps optimizer steps: loss, lr, grad norm, images/s as `train_steps/<name>`."""
+        self.loggers.log_steps({f"train_steps/{k}": v for k, v in row.items()}, global_step)
+
     def final(self, final: dict, status: str, history: list[dict]) -> None:
         if status == "evaluated":  # the checkpoint's training figures are not this run's: evaluation only
             log.info(

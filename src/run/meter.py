@@ -95,3 +95,39 @@ class EpochMeter:
             "data_wait_fraction": waits[0] / max(seconds, 1e-9),
             **gpu,
         }
+
+
+class StepLog:
+    """Every `every` optimizer steps: the training loss over the steps since the last log (every rank's samples,
+    across an epoch's end too), the lr, the gradient norm and images/s. Read from the epoch meters' device sums
+    at the logging step only: one small collective and one host sync per log, none in the steps between."""
+
+    def __init__(self, every: int, device: torch.device):
+        self.every, self.device = every, device
+        self.meter, self.carried = None, torch.zeros(2, dtype=torch.float64, device=device)
+        self.time = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def _since(self) -> torch.Tensor:
+        """Loss sum and samples of this rank since the last log, in the current meter."""
+        samples = torch.tensor(self.meter.samples - self.samples, dtype=torch.float64, device=self.device)
+        return torch.stack([self.meter.totals[0] - self.loss, samples])
+
+    def start(self, meter: EpochMeter) -> None:
+        """At the start of an epoch (or its resumed part): the last epoch's unlogged steps are carried over."""
+        if self.meter is not None:
+            self.carried += self._since()
+        self.meter, self.loss, self.samples = meter, meter.totals[0].clone(), meter.samples
+
+    def read(self, grad_norm: torch.Tensor | None) -> dict:
+        """Collective: the figures since the last log, the same on every rank."""
+        loss_sum, samples = all_reduce(self.carried + self._since()).tolist()
+        now = time.perf_counter()
+        row = {"loss": loss_sum / max(samples, 1), "images_per_sec": samples / max(now - self.time, 1e-9)}
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm)
+        self.carried.zero_()
+        self.loss, self.samples, self.time = self.meter.totals[0].clone(), self.meter.samples, now
+        return row

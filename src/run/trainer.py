@@ -26,7 +26,7 @@ from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flop
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
 from src.run.loss import build_loss_terms
-from src.run.meter import EpochMeter
+from src.run.meter import EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import plan_layout
 from src.state.run_state import Checkpoints, Progress
@@ -158,6 +158,7 @@ class Trainer:
         )
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))
+        self.step_log = StepLog(t.log_every_n_steps, self.device)
         self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
         self.scheduler = instantiate(cfg.scheduler)(
             self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
@@ -286,6 +287,7 @@ class Trainer:
         ) as bar:  # closed on an error too: its line must not swallow the one-line error
             self.model.train()
             batches, step = self.loader.train_batches(steps[first:], epoch), first
+            self.step_log.start(meter)
             while (micro := meter.next(batches)) is not None:
                 if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
                     torch.compiler.cudagraph_mark_step_begin()
@@ -299,8 +301,14 @@ class Trainer:
                 if not micro.boundary:
                     continue
                 self.strategy.sync_gradients()
-                self.optimizer_step()
                 step += 1
+                global_step, lr = epoch * self.steps_per_epoch + step, self.optimizer.param_groups[0]["lr"]
+                logging = self.step_log.due(global_step)
+                grad_norm = self.optimizer_step(norm=logging)
+                if logging:  # every rank: the figures are reduced over them
+                    row = {**self.step_log.read(grad_norm), "lr": lr, "epoch": epoch + step / len(steps)}
+                    if self.primary:
+                        self.reporter.step(row, global_step)
                 bar.update(1)
                 if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
                     bar.set_postfix(loss=f"{meter.running_loss():.4f}")
@@ -312,14 +320,19 @@ class Trainer:
         row = meter.finish(sum(s.global_count for s in steps[first:]))
         return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
 
-    def optimizer_step(self) -> None:
-        if self.t.grad_clip:
+    def optimizer_step(self, norm: bool = False) -> torch.Tensor | None:
+        """One optimizer step; with `norm` (or trainer.grad_clip), the gradients' global norm before clipping."""
+        total = None
+        if self.t.grad_clip or norm:  # a max norm of inf measures without changing a gradient
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.strategy.core.parameters(), self.t.grad_clip)
+            params = self.strategy.core.parameters()
+            total = torch.nn.utils.clip_grad_norm_(params, self.t.grad_clip or math.inf)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total  # fsdp: a DTensor
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        return total
 
     def _save_and_exit(self, stop: StopRequest, epoch: int, step: int, meter: EpochMeter) -> None:
         self.progress.epoch, self.progress.step = epoch, step

@@ -31,6 +31,7 @@ MAY_CHANGE = (
     "trainer.resume",
     "trainer.threads",
     "trainer.limit_eval_batches",
+    "trainer.log_every_n_steps",
     "trainer.test_every_epoch",
     "trainer.activation_checkpointing",
     "data.num_workers",

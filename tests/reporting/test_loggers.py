@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.reporting.loggers import Logger, build_loggers, job_identity
+from src.reporting.loggers import CSVLogger, Logger, build_loggers, job_identity
+from tests.conftest import read_metrics, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LINE = "  - logger: tensorboard"
@@ -177,6 +179,11 @@ def read_wandb_run(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+def _wandb_row(record: dict) -> dict:
+    """A history record's values by key (W&B's own `_step`, `_runtime`, ... left out)."""
+    return {k: v for k, v in record["history"]["item"].items() if not k.startswith("_")}
+
+
 def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the W&B logger is optional: pip install wandb")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # a closed port: any network call would fail
@@ -190,7 +197,9 @@ def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
     (sweep / "multirun.yaml").write_text("{}\n")
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
-    log_a_job(build_loggers(cfg, run_dir))
+    loggers = build_loggers(cfg, run_dir)
+    loggers.log_steps({"train_steps/loss": 2.0, "train_steps/lr": 0.1}, 5)  # on an axis of its own
+    log_a_job(loggers)
 
     records = read_wandb_run(run_dir)
     (run,) = [r["run"] for r in records if r["type"] == "run"]
@@ -201,11 +210,18 @@ def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
     )
     config = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
     assert config == OmegaConf.to_container(cfg, resolve=True)
-    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+    history, steps = {}, []  # by epoch: W&B's own step counts the calls, the rows name their epoch
+    for r in records:
+        if r["type"] == "history":
+            row = _wandb_row(r)
+            if "global_step" in row:
+                steps.append(row)
+            else:
+                history.setdefault(row.pop("epoch"), {}).update(row)
+    assert steps == [{"global_step": 5, "train_steps/loss": 2.0, "train_steps/lr": 0.1}]
     assert sorted(history) == [1, 2, 3]
-    for step, metrics in enumerate(EPOCHS, 1):
-        expected = {**metrics, **(TEST if step == 3 else {})}
-        assert {k: v for k, v in history[step].items() if not k.startswith("_")} == pytest.approx(expected)
+    for epoch, metrics in enumerate(EPOCHS, 1):
+        assert history[epoch] == pytest.approx({**metrics, **(TEST if epoch == 3 else {})})
     updates = [r["config"]["update"] for r in records if r["type"] == "config"]
     assert {"hparams": HPARAMS} in updates
     summary = {}
@@ -319,3 +335,57 @@ def test_a_new_logger_is_one_class_and_a_target(tmp_path, monkeypatch):
         ("close",),
     ]
     assert len(read_csv(tmp_path / "run" / "metrics.csv")[1]) == 3  # the configured csv logger ran alongside
+
+
+def _steps_csv(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics_steps.csv", newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_every_n_steps_logs_the_same_figures_whatever_the_strategy(tmp_path):
+    """loss, lr, grad norm and images/s every N optimizer steps, to every logger; one collective per log."""
+    runs = {}
+    for name, args in {
+        "single": ["trainer.log_every_n_steps=1"],
+        "ddp": ["trainer.log_every_n_steps=1", "strategy=ddp", "trainer.devices=2"],
+        "every2": ["trainer.log_every_n_steps=2"],
+    }.items():  # without BatchNorm, whose statistics depend on the per-device batch
+        run_dir = tmp_path / name
+        proc = run_cli(
+            "debug=fast", "model.batch_norm=false", "logger=[csv,tensorboard]", *args, f"hydra.run.dir={run_dir}"
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = (_steps_csv(run_dir), read_metrics(run_dir))
+    single, metrics = runs["single"]
+    assert [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]  # debug=fast: 2 epochs of 3 steps
+    for a, b in zip(single, runs["ddp"][0]):  # the same global batches: the same numbers from 2 ranks
+        assert (a["step"], a["lr"], a["epoch"]) == (b["step"], b["lr"], b["epoch"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4
+        )
+    for epoch, row in enumerate(metrics["epochs"]):  # equal batches: the epoch's loss is the mean of its steps'
+        steps = single[3 * epoch : 3 * epoch + 3]
+        assert row["train_loss"] == pytest.approx(statistics.mean(r["loss"] for r in steps))
+    every2 = runs["every2"][0]
+    assert [r["step"] for r in every2] == [2, 4, 6]
+    for row in every2:  # the loss of the steps since the last log, not of the logging step alone
+        assert row["loss"] == pytest.approx(
+            statistics.mean(r["loss"] for r in single[int(row["step"]) - 2 : int(row["step"])])
+        )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "single")).Reload()
+    assert [e.step for e in events.Scalars("train_steps/loss")] == [1, 2, 3, 4, 5, 6]
+    assert {"train_steps/lr", "train_steps/grad_norm", "train_steps/images_per_sec"} <= set(events.Tags()["scalars"])
+
+
+def test_a_resumed_run_logs_its_steps_once(tmp_path):
+    """A run resumed from a checkpoint at step 3 logs steps 4.. again: the rows logged after it are dropped."""
+    first = CSVLogger(tmp_path)
+    for step in range(1, 7):
+        first.log_steps({"train_steps/loss": float(step)}, step)
+    resumed = CSVLogger(tmp_path)
+    for step in range(4, 6):
+        resumed.log_steps({"train_steps/loss": 10.0 + step}, step)
+    assert [(r["step"], r["loss"]) for r in _steps_csv(tmp_path)] == [(1, 1), (2, 2), (3, 3), (4, 14), (5, 15)]
