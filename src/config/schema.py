@@ -226,6 +226,7 @@ class Top:
     seed: Annotated[int, Range(0, 2**32 - 1)]  # what every RNG takes (numpy's limit)
     train: bool
     ckpt_path: str | None
+    predict: bool
 
 
 def check(cfg: DictConfig) -> None:
@@ -239,6 +240,8 @@ def check(cfg: DictConfig) -> None:
             )
     for key in declared(Top):
         check_value(key, cfg.get(key), declared(Top)[key])
+    if cfg.predict and cfg.train:
+        raise ConfigError("predict=true writes an evaluation's predictions: add train=false ckpt_path=<checkpoint>")
     check_section(cfg.trainer, "trainer", Trainer)
     check_section(cfg.objective, "objective", Objective)
     metric, direction = cfg.objective.metric, cfg.objective.direction

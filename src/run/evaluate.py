@@ -27,6 +27,13 @@ def tta_views(x: torch.Tensor, flip: bool, shift: int) -> list[torch.Tensor]:
     return views + [v.flip(3) for v in views] if flip else views
 
 
+def tta_logits(model, x: torch.Tensor, autocast, flip_tta: bool, tta_shift: int) -> torch.Tensor:
+    """The model's float logits for a batch: the mean over its test-time views."""
+    with autocast():
+        views = tta_views(x, flip_tta, tta_shift)
+        return sum(model(v).float() for v in views) / len(views)
+
+
 @torch.no_grad()
 def evaluate(
     model, batches, device: torch.device, autocast, flip_tta: bool = False, tta_shift: int = 0
@@ -37,9 +44,7 @@ def evaluate(
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, count
     count = 0
     for x, y in batches:
-        with autocast():
-            views = tta_views(x, flip_tta, tta_shift)
-            logits = sum(model(v).float() for v in views) / len(views)
+        logits = tta_logits(model, x, autocast, flip_tta, tta_shift)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
         top1, top5 = topk_correct(logits, y)
         totals[1] += top1

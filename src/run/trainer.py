@@ -18,6 +18,7 @@ from src.config.commands import train_command
 from src.config.errors import ConfigError
 from src.config.layout import Layout
 from src.data.datasets import load_data
+from src.data.decode import EncodedImages
 from src.data.loader_choice import build_loader
 from src.data.loaders import eval_shard, plan_epoch
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
@@ -29,6 +30,7 @@ from src.run.loss import build_loss_terms
 from src.run.meter import EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import plan_layout
+from src.run.predict import gather_in_rank_order, predict, write
 from src.state.run_state import Checkpoints, Progress
 from src.state.signals import StopRequest
 from src.strategies import Context, apply_activation_checkpointing, build_strategy
@@ -454,6 +456,29 @@ class Trainer:
             **Reporter.summarize(self.progress.history),
             **in_sync,
         }
+        if self.cfg.get("predict"):
+            with self.stops_in_one_line():
+                final.update(self.predictions())
         if self.primary:
             self.reporter.final(final, status, self.progress.history)
         return final
+
+    def predictions(self) -> dict:
+        """predict=true: every evaluated sample's top-5 into <run dir>/predictions/ (rank 0), and each split's
+        per-class top-1 for eval.json."""
+        out = {}
+        for split in ("val", "test"):
+            data = getattr(self.data, split)
+            if not len(data):
+                continue
+            ids = self.eval_ids(split)
+            batches = self.loader.eval_batches(split, ids, self.cfg.data.eval_batch_size)
+            module = self.strategy.eval_module()
+            rows = gather_in_rank_order(predict(module, batches, ids, self.autocast, self.t.flip_tta, self.t.tta_shift))
+            if self.primary:
+                names = data.files.name if isinstance(data.files, EncodedImages) else None
+                classes = list(self.data.classes)
+                out[f"{split}_per_class_top1"] = write(self.run_dir / "predictions", split, rows, classes, names)
+        if self.primary:
+            log.info("predictions: %s", self.run_dir / "predictions")
+        return out

@@ -24,6 +24,7 @@ MAY_CHANGE = (
     "hydra",
     "train",
     "ckpt_path",
+    "predict",
     "trainer.devices",
     "trainer.device",
     "trainer.progress_bar",
