@@ -244,8 +244,9 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
         )
     # where it ran too, unless this command line says otherwise: the printed resume command continues a ddp
     # run as ddp (a BatchNorm model's result depends on the per-device batch). A command line naming the
-    # strategy (strategy=single) takes the device count from its own defaults, not from the checkpoint.
-    layout = {k: saved[k] for k in ("strategy",) if k in saved and not _set_by_user(k, explicit)}
+    # strategy (strategy=single) takes the device count from its own defaults, not from the checkpoint. The
+    # loggers too: a resumed run goes on logging where it logged (its W&B run, its event and CSV files).
+    layout = {k: saved[k] for k in ("strategy", "logger") if k in saved and not _set_by_user(k, explicit)}
     if not _set_by_user("strategy", explicit):
         for key in ("trainer.devices", "trainer.device"):
             if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):
