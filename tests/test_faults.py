@@ -260,6 +260,18 @@ BAD_VALUES = [
     ("logger=wandb logger.wandb.mode=bogus", "logger.wandb.mode must be one of offline, online, disabled"),
     ("train=1", "train must be true or false, got 1"),
     ("ckpt_path=5", "ckpt_path must be a string or null, got 5"),
+    # the checkpoint policy
+    (
+        "trainer.early_stopping.patience=-1",
+        "trainer.early_stopping.patience must be a positive integer or null, got -1",
+    ),
+    ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience must be a positive integer or null, got 0"),
+    ("trainer.early_stopping.min_delta=-0.1", "trainer.early_stopping.min_delta must be a number >= 0, got -0.1"),
+    ("trainer.early_stopping=5", "trainer.early_stopping is a group of options (trainer.early_stopping.patience, "),
+    ("+trainer.early_stopping.patiense=2", "trainer.early_stopping.patiense is not an option of trainer.early_stopp"),
+    ("trainer.save_top_k=0", "trainer.save_top_k must be a positive integer or null, got 0"),
+    ("trainer.save_top_k=-1", "trainer.save_top_k must be a positive integer or null, got -1"),
+    ("trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps must be a positive integer or null"),
 ]
 
 

@@ -144,6 +144,12 @@ def check_section(cfg: DictConfig | None, prefix: str, spec, skip: tuple[str, ..
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         if OmegaConf.is_missing(cfg, key):
             raise ConfigError(f"{prefix}.{key} must be set (it has no default); add {prefix}.{key}=...")
+        if is_dataclass(options[key]):  # a group inside the group (trainer.early_stopping)
+            if not isinstance(value, DictConfig):
+                names = ", ".join(f"{prefix}.{key}.{name}" for name in declared(options[key]))
+                raise ConfigError(f"{prefix}.{key} is a group of options ({names}); set those, got {value!r}")
+            check_section(value, f"{prefix}.{key}", options[key])
+            continue
         check_value(f"{prefix}.{key}", value, options[key])
 
 
@@ -173,6 +179,14 @@ def target_of(cfg: DictConfig, prefix: str):
 
 
 @dataclass
+class EarlyStopping:
+    """Stop once objective.metric has not improved by more than min_delta for `patience` epochs (null: never)."""
+
+    patience: Annotated[int, Positive] | None
+    min_delta: Annotated[float, NonNegative]
+
+
+@dataclass
 class Trainer:
     max_epochs: Annotated[int, Positive]
     devices: Literal["auto"] | Annotated[int, Positive]
@@ -197,6 +211,9 @@ class Trainer:
     tta_shift: Annotated[int, NonNegative]
     threads: Literal["auto"] | Annotated[int, Positive]
     activation_checkpointing: bool
+    early_stopping: EarlyStopping
+    save_top_k: Annotated[int, Positive] | None
+    checkpoint_every_n_steps: Annotated[int, Positive] | None
 
 
 @dataclass

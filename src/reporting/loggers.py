@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import re
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -219,10 +220,24 @@ class CSVLogger(Logger):
 # --- Weights & Biases -----------------------------------------------------------------------------
 
 
+def run_id(run_dir: Path) -> str:
+    """The W&B run id of this run dir: the one saved there, else a new one, saved first (a job killed while W&B
+    starts continues the same run)."""
+    path = run_dir / "wandb_id"
+    if path.is_file():
+        return path.read_text().strip()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(uuid.uuid4().hex[:12] + "\n")
+    tmp.replace(path)  # atomic: a reader sees no id or the whole one
+    return path.read_text().strip()
+
+
 class WandbLogger(Logger):
     """A W&B run in `<run_dir>/wandb/`, named by the job's overrides, grouped by sweep, its config the resolved
     config. mode=offline (default) needs no account and no network; `wandb sync <run_dir>/wandb/offline-run-*`
     uploads it later. Final metrics go to the run's summary as `final/<name>`, hyper-parameters to config.hparams.
+    Its id is kept in `<run_dir>/wandb_id`: a resumed or requeued job continues the same W&B run (offline, each
+    start is one more `offline-run-*` folder of that id; `wandb sync` appends them to it).
     """
 
     def __init__(
@@ -246,6 +261,9 @@ class WandbLogger(Logger):
         run_dir.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir when `dir` is missing
         name, group = job_identity(run_dir)
         self.run = wandb.init(
+            id=run_id(run_dir),
+            resume="allow",
+            allow_val_change=True,  # a resume may change where it runs (devices, workers): the config follows
             dir=str(run_dir),
             project=project,
             entity=entity,

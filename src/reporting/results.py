@@ -196,6 +196,7 @@ def write_metrics(
     hparams: dict,
     device: torch.device,
     name: str = "metrics.json",
+    stop_reason: str | None = None,
 ) -> None:
     """metrics.json (eval.json for an evaluation), replaced atomically so a reader never sees half of it."""
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
@@ -203,6 +204,7 @@ def write_metrics(
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     metrics = {
         "status": status,
+        "stop_reason": stop_reason,  # why a completed run trained fewer than trainer.max_epochs (early stopping)
         "final": final,
         "epochs": history,
         "hparams": hparams,
@@ -276,7 +278,7 @@ class Reporter:
         """Every trainer.log_every_n_steps optimizer steps: loss, lr, grad norm, images/s as `train_steps/<name>`."""
         self.loggers.log_steps({f"train_steps/{k}": v for k, v in row.items()}, global_step)
 
-    def final(self, final: dict, status: str, history: list[dict]) -> None:
+    def final(self, final: dict, status: str, history: list[dict], stop_reason: str | None = None) -> None:
         if status == "evaluated":  # the checkpoint's training figures are not this run's: evaluation only
             log.info(
                 "evaluated %s: test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images) | val top-1 %.2f%%",
@@ -298,7 +300,9 @@ class Reporter:
             {f"test/{k[5:]}": final[k] for k in ("test_loss", "test_top1", "test_top5")}, step=len(history)
         )
         self.loggers.log_hparams({**self.hparams, "status": status}, final)
-        write_metrics(self.run_dir, self.cfg, status, final, history, self.hparams, self.device)
+        write_metrics(
+            self.run_dir, self.cfg, status, final, history, self.hparams, self.device, stop_reason=stop_reason
+        )
         log.info("outputs: %s (metrics.json, checkpoints/, logs)", self.run_dir)
 
     def failed(self, status: str, history: list[dict]) -> None:

@@ -77,10 +77,11 @@ def main(cfg: DictConfig) -> dict:
     if done is not None:  # a finished run is immutable: nothing runs, nothing in its dir changes
         final = done.get("final") or {}
         log.info(
-            "%s holds a completed run (test top-1 %.2f %%, best epoch %s): nothing to do",
+            "%s holds a completed run (test top-1 %.2f %%, best epoch %s%s): nothing to do",
             cfg.paths.output_dir,
             final.get("test_top1", float("nan")),
             final.get("best_epoch"),
+            f"; {done['stop_reason']}" if done.get("stop_reason") else "",
         )
         return final
     cfg = reconcile(cfg, _command_line_overrides())  # a re-run in a run dir continues that run

@@ -31,7 +31,7 @@ from src.run.meter import EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import plan_layout
 from src.run.predict import gather_in_rank_order, predict, write
-from src.state.run_state import Checkpoints, Progress
+from src.state.run_state import Checkpoints, Monitor, Progress
 from src.state.signals import StopRequest
 from src.strategies import Context, apply_activation_checkpointing, build_strategy
 
@@ -104,7 +104,8 @@ class Trainer:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
         self.autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=self.t.amp)
-        self.loader = self.reporter = None
+        self.loader = self.reporter = self.stop_reason = None
+        self.monitor = Monitor.of(cfg)
 
     def close(self) -> None:
         for part in (self.loader, self.reporter):
@@ -138,6 +139,12 @@ class Trainer:
                 f"trainer.tta_shift={t.tta_shift} must be smaller than the images "
                 f"({'x'.join(map(str, self.data.image_size))}); lower it or set 0"
             )
+        for key, value in (("early_stopping.patience", t.early_stopping.patience), ("save_top_k", t.save_top_k)):
+            if value is not None and cfg.train and not len(self.data.val):  # it ranks epochs by a validation figure
+                raise ConfigError(
+                    f"trainer.{key}={value} ranks epochs by {self.monitor.metric}, but this data has no validation "
+                    f"split; set data.val_fraction > 0 or trainer.{key}=null"
+                )
         model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
         self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
@@ -315,7 +322,11 @@ class Trainer:
                 if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
                     bar.set_postfix(loss=f"{meter.running_loss():.4f}")
                 if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
-                    self._save_and_exit(stop, epoch, step, meter)
+                    self._say_saved(stop, self._save_mid_epoch(epoch, step, meter), f"at epoch {epoch + 1} step {step}")
+                    stop.hand_over()
+                every = self.t.checkpoint_every_n_steps
+                if every and (epoch * self.steps_per_epoch + step) % every == 0 and step < len(steps):
+                    self._save_mid_epoch(epoch, step, meter)  # the epoch's end saves anyway
         if epoch + 1 < self.t.max_epochs:  # while the device still runs this epoch's last steps
             evals = [(split, self.eval_ids(split), self.cfg.data.eval_batch_size) for split in self.epoch_evals()]
             self.loader.prepare(self.plan(epoch + 1), epoch + 1, evals)
@@ -336,12 +347,11 @@ class Trainer:
         self.scheduler.step()
         return total
 
-    def _save_and_exit(self, stop: StopRequest, epoch: int, step: int, meter: EpochMeter) -> None:
+    def _save_mid_epoch(self, epoch: int, step: int, meter: EpochMeter) -> Path:
+        """Collective: last.pt at this step of the epoch (a stop signal's, or every checkpoint_every_n_steps)."""
         self.progress.epoch, self.progress.step = epoch, step
         self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
-        saved = self.checkpoints.save(["last"], self.progress)[0]
-        self._say_saved(stop, saved, f"at epoch {epoch + 1} step {step}")
-        stop.hand_over()
+        return self.checkpoints.save(["last"], self.progress)[0]
 
     def _say_saved(self, stop: StopRequest, saved: Path, where: str) -> None:
         if self.primary:
@@ -358,6 +368,12 @@ class Trainer:
         stop = StopRequest(elastic=self.env.launcher == "torchelastic")
         try:
             for epoch in range(self.progress.epoch, self.t.max_epochs):
+                # here, not after the epoch: a run killed after its stopping epoch stops again when resumed
+                self.stop_reason = self.monitor.stop_reason(self.progress.history)
+                if self.stop_reason:
+                    if self.primary:
+                        log.info("%s", self.stop_reason)
+                    break
                 try:
                     row = {"epoch": epoch + 1, **self.train_epoch(epoch, stop)}
                 except torch.OutOfMemoryError as exc:
@@ -371,8 +387,15 @@ class Trainer:
                         f"the {bad[0].replace('_', ' ')} is {row[bad[0]]} in epoch {epoch + 1}; lower "
                         f"optim.lr (or set trainer.grad_clip); checkpoints/ keeps the last finite epoch"
                     )
-                is_best = self.progress.record(row, has_val=bool(len(self.data.val)))
-                saved = self.checkpoints.save(["best.pt", "last.pt"] if is_best else ["last.pt"], self.progress)
+                names = ["best", "last"] if self.progress.record(row, self.monitor) else ["last"]
+                if self.t.save_top_k:
+                    top_k = [self.monitor.top_k_name(r) for r in self.monitor.ranked(self.progress.history)]
+                    top_k = top_k[: self.t.save_top_k]
+                    if self.monitor.top_k_name(row) in top_k:  # written with last (fsdp: hard links to its shards)
+                        names.insert(0, self.monitor.top_k_name(row))
+                saved = self.checkpoints.save(names, self.progress)
+                if self.t.save_top_k:
+                    self.checkpoints.keep_only(top_k)
                 stopping = stop.agreed(0, self.layout.world_size, self.device, 1)  # one came during the evaluation
                 if self.primary:
                     self.reporter.epoch(row)
@@ -460,7 +483,7 @@ class Trainer:
             with self.stops_in_one_line():
                 final.update(self.predictions())
         if self.primary:
-            self.reporter.final(final, status, self.progress.history)
+            self.reporter.final(final, status, self.progress.history, self.stop_reason)
         return final
 
     def predictions(self) -> dict:

@@ -14,11 +14,11 @@ from src.state.checkpoint import Unreadable, find, load
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
 # strategy and device count may change because the global batch, not the per-device one, defines the math.
-# Activation checkpointing recomputes the same numbers (and a checkpoint's names do not depend on it).
+# Activation checkpointing recomputes the same numbers (and a checkpoint's names do not depend on it). The
+# objective is not here: it picks the best epoch, whose weights the final numbers are, and an early stop.
 MAY_CHANGE = (
     "strategy",
     "cluster",
-    "objective",
     "paths",
     "logger",
     "hydra",
@@ -35,6 +35,8 @@ MAY_CHANGE = (
     "trainer.log_every_n_steps",
     "trainer.test_every_epoch",
     "trainer.activation_checkpointing",
+    "trainer.save_top_k",  # which checkpoints are kept, not what they hold (KEPT_UNLESS_SET)
+    "trainer.checkpoint_every_n_steps",
     "data.num_workers",
     "data.loader",
     "data.eval_batch_size",
@@ -42,6 +44,11 @@ MAY_CHANGE = (
     "data.max_memory_gb",
     "data.download",
 )
+
+
+# May change, yet a resume that does not set them goes on with the run's own (the printed resume command names
+# none): its checkpoint policy
+KEPT_UNLESS_SET = ("trainer.save_top_k", "trainer.checkpoint_every_n_steps")
 
 
 # May change when an unfinished run resumes, but would change a completed run's recorded numbers if it re-ran
@@ -223,9 +230,12 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     before = _flat(saved)
     refused, kept = [], {}
     for key in sorted(set(before) & set(now)):  # keys only one side knows come from other code versions
-        if _may_change(key) or now[key] == before[key]:
+        if now[key] == before[key] or (_may_change(key) and key not in KEPT_UNLESS_SET):
             continue
-        if _set_by_user(key, explicit):
+        if key in KEPT_UNLESS_SET:
+            if not _set_by_user(key, explicit):
+                kept[key] = before[key]
+        elif _set_by_user(key, explicit):
             refused.append(f"{key}={now[key]!r} (checkpoint: {before[key]!r})")
         else:
             kept[key] = before[key]
@@ -236,8 +246,9 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
         )
     # where it ran too, unless this command line says otherwise: the printed resume command continues a ddp
     # run as ddp (a BatchNorm model's result depends on the per-device batch). A command line naming the
-    # strategy (strategy=single) takes the device count from its own defaults, not from the checkpoint.
-    layout = {k: saved[k] for k in ("strategy",) if k in saved and not _set_by_user(k, explicit)}
+    # strategy (strategy=single) takes the device count from its own defaults, not from the checkpoint. The
+    # loggers too: a resumed run goes on logging where it logged (its W&B run, its event and CSV files).
+    layout = {k: saved[k] for k in ("strategy", "logger") if k in saved and not _set_by_user(k, explicit)}
     if not _set_by_user("strategy", explicit):
         for key in ("trainer.devices", "trainer.device"):
             if key in before and key in now and now[key] != before[key] and not _set_by_user(key, explicit):

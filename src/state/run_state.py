@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +16,58 @@ from src.state import checkpoint as ckpt
 log = logging.getLogger("ddplab")
 
 
+@dataclass(frozen=True)
+class Monitor:
+    """The validation figure (objective.metric) that picks best.pt and the top-k checkpoints and stops a run
+    early: one setting for the sweep's score and the run's own choices. Each choice is a function of the
+    history alone, so a resumed run makes the same ones."""
+
+    metric: str = "val_top1"
+    maximize: bool = True
+    patience: int | None = None  # epochs without an improvement of more than min_delta before stopping
+    min_delta: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Monitor:
+        stopping = cfg.trainer.early_stopping
+        return cls(cfg.objective.metric, cfg.objective.direction == "maximize", stopping.patience, stopping.min_delta)
+
+    def better(self, value: float, than: float, by: float = 0.0) -> bool:
+        return value - by > than if self.maximize else value + by < than
+
+    def ranked(self, history: list[dict]) -> list[dict]:
+        """Epochs best first; of equal ones the earlier (a later epoch must beat it to replace it)."""
+        sign = -1 if self.maximize else 1
+        return sorted(history, key=lambda row: (sign * row[self.metric], row["epoch"]))
+
+    def best(self, history: list[dict]) -> dict:
+        """The best epoch's row; with no validation split, the latest."""
+        return self.ranked(history)[0] if self.metric in history[-1] else history[-1]
+
+    def top_k_name(self, row: dict) -> str:
+        """A top-k checkpoint's name: epoch and value (no `=`, which a Hydra override could not pass unquoted)."""
+        return f"epoch{row['epoch']}-{self.metric}-{row[self.metric]:.4f}"
+
+    def stop_reason(self, history: list[dict]) -> str | None:
+        """Why training ends early after these epochs, or None to go on."""
+        if self.patience is None or not history:
+            return None
+        reference, waited = None, 0
+        for row in history:
+            if reference is None or self.better(row[self.metric], reference, self.min_delta):
+                reference, waited = row[self.metric], 0
+            else:
+                waited += 1
+        if waited < self.patience:
+            return None
+        best, epochs = self.best(history), f"{waited} epoch{'s' if waited > 1 else ''}"
+        return (
+            f"early stopping after epoch {history[-1]['epoch']}: {self.metric} did not improve by more than "
+            f"{self.min_delta:g} for {epochs} (patience {self.patience}; best {best[self.metric]:.4f} at "
+            f"epoch {best['epoch']})"
+        )
+
+
 @dataclass
 class Progress:
     """Where training stands; saved with every checkpoint."""
@@ -23,18 +75,15 @@ class Progress:
     epoch: int = 0  # the epoch to run next (or the one interrupted)
     step: int = 0  # optimizer steps of `epoch` already done (a mid-epoch checkpoint)
     partial_totals: torch.Tensor | None = None  # that epoch's loss sum / hits / samples so far, over all ranks
-    best_val_top1: float = -math.inf
     best_epoch: int = 0
     history: list[dict] = field(default_factory=list)
 
-    def record(self, row: dict, has_val: bool) -> bool:
-        """Add an epoch's row; True if its weights are the best so far (no validation split: the latest)."""
+    def record(self, row: dict, monitor: Monitor) -> bool:
+        """Add an epoch's row; True if its weights are the best so far."""
         self.history.append(row)
-        is_best = not has_val or row["val_top1"] > self.best_val_top1
-        if is_best:
-            self.best_val_top1, self.best_epoch = row.get("val_top1", math.nan), row["epoch"]
+        self.best_epoch = monitor.best(self.history)["epoch"]
         self.epoch, self.step, self.partial_totals = row["epoch"], 0, None
-        return is_best
+        return self.best_epoch == row["epoch"]
 
     @property
     def train_seconds(self) -> float:
@@ -42,8 +91,9 @@ class Progress:
 
 
 class Checkpoints:
-    """`<run dir>/checkpoints/{last,best}`: the strategy decides the format (a `.pt` file written by rank 0, or a
-    sharded directory every rank writes into: src/state/checkpoint.py); either format resumes and evaluates anywhere."""
+    """`<run dir>/checkpoints/{last,best}` and the top-k ones (`epoch<e>-<metric>-<value>`): the strategy decides
+    the format (a `.pt` file written by rank 0, or a sharded directory every rank writes into:
+    src/state/checkpoint.py); either format resumes and evaluates anywhere."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
         self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
@@ -75,7 +125,6 @@ class Checkpoints:
             "epoch": progress.epoch,
             "step": progress.step,
             "partial_totals": None if totals is None else totals.cpu(),
-            "best_val_top1": progress.best_val_top1,
             "best_epoch": progress.best_epoch,
             "history": progress.history,
             "rng": ckpt.rng_state(),
@@ -85,6 +134,14 @@ class Checkpoints:
         names = [name.removesuffix(".pt") for name in names]
         self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
         return [ckpt.find(self.dir, name) or self.dir / name for name in names]
+
+    def keep_only(self, top_k: list[str]) -> None:
+        """Rank 0: remove the top-k checkpoints (`epoch<e>-...`) that are no longer among the k best."""
+        if not self.primary:
+            return
+        for path in self.dir.glob("epoch*"):
+            if path.name.removesuffix(".pt") not in top_k:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def load_weights(self, path, with_optimizer: bool = False) -> dict:
         return self.strategy.load_checkpoint(path, self.optimizer if with_optimizer else None)
@@ -101,7 +158,6 @@ class Checkpoints:
             state["epoch"],
             state["step"],
             state["partial_totals"],
-            state["best_val_top1"],
             state["best_epoch"],
             state["history"],
         )

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.reporting.loggers import CSVLogger, Logger, build_loggers, job_identity
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics, run_cli, start_until_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LINE = "  - logger: tensorboard"
@@ -168,6 +169,10 @@ def test_csv_one_row_per_epoch_complete_after_each(tmp_path):
 def read_wandb_run(run_dir: Path) -> list[dict]:
     """The records of the job's offline run, read by wandb's own reader of its transaction log."""
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    return read_wandb_log(log)
+
+
+def read_wandb_log(log: Path) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
         check=False,
@@ -234,6 +239,37 @@ def test_wandb_offline_run_named_grouped_and_read_back(tmp_path, monkeypatch):
     assert "final/images_per_sec" not in summary  # None: not logged
     assert records[-1]["type"] == "exit" and records[-1]["exit"].get("exit_code", 0) == 0
     assert any(run_dir.glob("events.out.tfevents.*"))  # and the other logger of the list wrote too
+
+
+def test_a_stopped_and_resumed_run_continues_one_wandb_run(tmp_path, monkeypatch):
+    """SIGTERM after the first checkpoint, then the printed resume command (a SLURM requeue starts the same run dir
+    too): the second start continues the W&B run of the first. Offline each start is a segment of the run (what
+    `wandb sync` appends); every segment has the id kept in the run dir, and together they hold each epoch once."""
+    pytest.importorskip("wandb", reason="the W&B logger is optional: pip install wandb")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # a closed port: any network call would fail
+    for key in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    run_dir = tmp_path / "run"
+    args = ("debug=fast", "trainer.limit_train_batches=null", "data.batch_size=32", "trainer.max_epochs=3")
+    proc = start_until_checkpoint(*args, "logger=wandb", f"hydra.run.dir={run_dir}", run_dir=run_dir)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM and "resume with:" in out, out[-3000:]
+    resumed = run_cli(f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    segments = sorted(run_dir.glob("wandb/offline-run-*"))  # named <time>-<id>: in the order they ran
+    assert len(segments) == 2 and all(segment.name.endswith(f"-{run_id}") for segment in segments), segments
+    epochs = []
+    for segment in segments:
+        (log,) = segment.glob("run-*.wandb")
+        records = read_wandb_log(log)
+        assert [r["run"]["run_id"] for r in records if r["type"] == "run"] == [run_id]
+        rows = [_wandb_row(r) for r in records if r["type"] == "history"]
+        epochs += [row["epoch"] for row in rows if "train/loss" in row]
+    assert epochs == [1, 2, 3]
+    assert read_metrics(run_dir)["status"] == "completed"
 
 
 def test_job_identity_without_hydra(tmp_path):
