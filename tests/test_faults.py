@@ -743,8 +743,8 @@ class _RunsCode:
 
 
 def _export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
-    """`python -m src.state.checkpoint export <checkpoint> <out>`, as a user runs it."""
-    command = [sys.executable, "-m", "src.state.checkpoint", "export", str(checkpoint), str(out)]
+    """`python -m src.run.export <checkpoint> <out>`, as a user runs it."""
+    command = [sys.executable, "-m", "src.run.export", str(checkpoint), str(out)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
 
 

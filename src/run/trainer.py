@@ -173,8 +173,9 @@ class Trainer:
             self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
+        io = {"num_classes": self.data.num_classes, "input_shape": [self.data.channels, *self.data.image_size]}
         self.checkpoints = Checkpoints(
-            self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler, self.primary
+            self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler, self.primary, io
         )
         self.progress = Progress()
         if self.primary:

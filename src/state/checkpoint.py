@@ -4,7 +4,7 @@ Two formats, both under `<run dir>/checkpoints/`, both readable by every strateg
 - full: `last.pt` / `best.pt`, one torch.save file written by rank 0 (model, optimizer and the rest);
 - sharded: `last/` / `best/`, a torch.distributed.checkpoint (DCP) directory where each rank wrote its own
   shards (`.metadata`, `__<rank>_0.distcp`) and rank 0 the non-tensor state (`state.pt`: progress,
-  scheduler, scaler, RNG, config). `python -m src.state.checkpoint export <dir> <file.pt>` makes it a full one.
+  scheduler, scaler, RNG, config). `python -m src.run.export <dir> <file.pt>` makes it a full one.
 """
 
 from __future__ import annotations
@@ -359,21 +359,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def main(argv: list[str]) -> int:
-    """`python -m src.state.checkpoint export <checkpoint> <out.pt>`: a sharded checkpoint as one file."""
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python -m src.state.checkpoint export <checkpoint dir or file> <out.pt>", file=sys.stderr)
-        return 2
-    try:
-        export(argv[1], argv[2])
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {argv[2]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

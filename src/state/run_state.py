@@ -95,8 +95,11 @@ class Checkpoints:
     the format (a `.pt` file written by rank 0, or a sharded directory every rank writes into:
     src/state/checkpoint.py); either format resumes and evaluates anywhere."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool):
-        self.dir, self.cfg, self.primary = run_dir / "checkpoints", cfg, primary
+    def __init__(
+        self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool, model_io=None
+    ):
+        """model_io: the model's class count and input shape, kept in each checkpoint (export rebuilds from it)."""
+        self.dir, self.cfg, self.primary, self.model_io = run_dir / "checkpoints", cfg, primary, model_io
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
         self.resumed_from: Path | None = None
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
@@ -130,6 +133,7 @@ class Checkpoints:
             "rng": ckpt.rng_state(),
             "strategy": self.strategy.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "model_io": self.model_io,
         }
         names = [name.removesuffix(".pt") for name in names]
         self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
