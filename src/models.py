@@ -1,9 +1,12 @@
-"""The `model/` group. Every builder takes num_classes and in_channels from the data."""
+"""The `model/` group. Every builder takes num_classes and in_channels from the data; `build_model` adds the
+starting point (model.pretrained, model.weights) and model.freeze."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -11,6 +14,10 @@ from torch import nn
 
 from src.config.errors import ConfigError
 from src.config.schema import Positive, PositiveReal
+from src.state.checkpoint import check_compatible, safe_torch_load
+
+log = logging.getLogger("ddplab")
+STARTING_KEYS = ("weights", "freeze")  # every model's, read by build_model (not by the builders)
 
 
 def cifar_resnet18(num_classes: int, in_channels: int = 3) -> nn.Module:
@@ -59,7 +66,8 @@ class ResNet9(nn.Module):
         return self.head(x.amax(dim=(2, 3))) * self.logit_scale
 
 
-def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3) -> nn.Module:
+def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3, pretrained: bool = False) -> nn.Module:
+    """torchvision's `name`; pretrained: its default weights from the torch hub cache (never downloaded)."""
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
@@ -72,7 +80,31 @@ def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3) ->
             f"model=torchvision expects 3-channel images but the data has {in_channels}; "
             f"use model=resnet18 or model=tiny_cnn"
         )
-    return torchvision.models.get_model(name, num_classes=num_classes)
+    model = torchvision.models.get_model(name, num_classes=num_classes)
+    if pretrained:
+        path = torchvision_weights_file(name)
+        head = head_of(model, lambda: torchvision.models.get_model(name, num_classes=num_classes + 1))
+        load_weights(model, read_weights(path, "model.pretrained"), "model.pretrained", head)
+    return model
+
+
+def torchvision_weights_file(name: str) -> Path:
+    """Where torch.hub keeps `name`'s default weights (`<torch.hub.get_dir()>/checkpoints/<file of the URL>`), or
+    a one-line error saying where to put them: nothing is downloaded at run time."""
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(name).DEFAULT
+    path = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
+    if not path.is_file():
+        raise ConfigError(_not_cached(f"torchvision's {name} weights", path, weights.url))
+    return path
+
+
+def _not_cached(what: str, path: Path, url: str) -> str:
+    return (
+        f"model.pretrained=true: {what} are not at {path} and nothing is downloaded at run time; put {url} "
+        f"there, or pass model.weights=<file>"
+    )
 
 
 class TinyCNN(nn.Module):
@@ -95,10 +127,16 @@ class TinyCNN(nn.Module):
 
 
 def timm_classifier(
-    name: str, num_classes: int, in_channels: int = 3, img_size: int | None = None, kwargs: Mapping | None = None
-) -> nn.Module:  # Mapping: a DictConfig passes src/config/schema.py
-    """Any timm model, randomly initialised (pretrained=False: nothing is downloaded). img_size is for the
-    models that fix their input size (ViTs); kwargs go to timm.create_model (e.g. patch_size, drop_path_rate)."""
+    name: str,
+    num_classes: int,
+    in_channels: int = 3,
+    img_size: int | None = None,
+    kwargs: Mapping | None = None,  # Mapping: a DictConfig passes src/config/schema.py
+    pretrained: bool = False,
+) -> nn.Module:
+    """Any timm model, randomly initialised or (pretrained) from its default weights in the Hugging Face cache:
+    nothing is downloaded. img_size is for the models that fix their input size (ViTs); kwargs go to
+    timm.create_model (e.g. patch_size, drop_path_rate)."""
     try:
         import timm
     except ImportError:
@@ -116,13 +154,18 @@ def timm_classifier(
     taken = sorted({"pretrained", "num_classes", "in_chans"} & extra.keys())
     if taken:
         raise ConfigError(
-            f"model.kwargs.{taken[0]} is set by ddplab (random init; classes and channels come "
-            f"from the data); remove it"
+            f"model.kwargs.{taken[0]} is set by ddplab (model.pretrained=true for weights; classes and channels "
+            f"come from the data); remove it"
         )
     if img_size is not None:
         extra["img_size"] = img_size
+    if pretrained:  # read here as plain data; timm adapts it (input channels, its own key changes, a new head)
+        path, saved = timm_weights_file(name)
+        extra["pretrained_cfg_overlay"] = {"state_dict": read_weights(path, "model.pretrained")}
+        if saved.num_classes != num_classes:
+            log.info("model.pretrained: %s", new_head_line(str(saved.classifier), num_classes, saved.num_classes))
     try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **extra)
+        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, in_chans=in_channels, **extra)
     except TypeError as exc:
         if "unexpected keyword argument" not in str(exc):
             raise
@@ -130,12 +173,139 @@ def timm_classifier(
         raise ConfigError(f"model=timm model.name={name}: {exc}; drop that setting") from None
 
 
-def build_model(cfg, num_classes: int, in_channels: int) -> nn.Module:
+def timm_weights_file(name: str):
+    """(the file of `name`'s default weights in the Hugging Face cache, their timm PretrainedCfg), or a one-line
+    error saying where to put it: nothing is downloaded at run time."""
+    import huggingface_hub
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name)
+    if cfg is None or not cfg.hf_hub_id:
+        raise ConfigError(
+            f"model.pretrained=true: timm has no Hugging Face weights for {name}; pass model.weights=<file>"
+        )
+    repo, file = cfg.hf_hub_id, cfg.hf_hub_filename or "model.safetensors"
+    found = huggingface_hub.try_to_load_from_cache(repo, file)
+    if not isinstance(found, str):  # None, or a marker that the file is known to be absent
+        # the cache's own layout: `snapshots/main/` is found without the refs a download writes
+        cache = Path(huggingface_hub.constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}/snapshots/main"
+        raise ConfigError(
+            _not_cached(f"timm's {repo} weights", cache / file, f"https://huggingface.co/{repo}/resolve/main/{file}")
+        )
+    return Path(found), cfg
+
+
+def read_weights(path, key: str = "model.weights") -> dict[str, torch.Tensor]:
+    """A state dict file as plain tensors: safetensors, or a torch.save file read with weights_only (a ddplab
+    checkpoint gives its model): never code (SECURITY.md)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{key}={path} does not exist; pass a state dict file (.pt, .pth, .bin or .safetensors)")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ConfigError(f"{key}={path} needs the safetensors package: pip install safetensors") from None
+        try:
+            return load_file(path)
+        except Exception as exc:
+            raise ConfigError(f"{key}={path} is unreadable ({type(exc).__name__}: {str(exc)[:80]})") from None
+    state = safe_torch_load(path, path)
+    for entry in ("model", "state_dict"):  # a ddplab checkpoint, or a training script's {"state_dict": ...}
+        if isinstance(state, dict) and isinstance(state.get(entry), dict):
+            state = state[entry]
+    if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise ConfigError(f"{key}={path} is not a state dict (names to tensors); save model.state_dict()")
+    return state
+
+
+def head_of(model: nn.Module, other: Callable[[], nn.Module]) -> set[str]:
+    """The state-dict entries whose shape follows the class count (the classifier head): those that differ in
+    `other()`, the same model built for one class more (on the meta device: no memory, no random draws)."""
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        shapes = {k: v.shape for k, v in other().state_dict().items()}
+    return {k for k, v in model.state_dict().items() if k in shapes and shapes[k] != v.shape}
+
+
+def new_head_line(names: str, classes: int, saved: int | None = None) -> str:
+    had = f" (the weights have {saved})" if saved else ""
+    return f"a new head ({names}) for the data's {classes} classes, initialized afresh{had}"
+
+
+def load_weights(model: nn.Module, state: dict, source: str, head: set[str]) -> None:
+    """`state` into `model`; the head's entries are left as initialized where their shape differs (another class
+    count), and said so in one line. Any other difference is a one-line error."""
+    own = model.state_dict()
+    new = sorted(k for k in head if k in state and k in own and state[k].shape != own[k].shape)
+    saved_classes = state[new[0]].shape[0] if new else None
+    state = {k: v for k, v in state.items() if k not in new}
+    # older files (torchvision's ResNets) predate BatchNorm's step counter: it is kept as initialized
+    counters = [k for k in own if k.endswith(".num_batches_tracked") and k not in state]
+    check_compatible(
+        {k: v.shape for k, v in state.items()},
+        {k: v.shape for k, v in own.items() if k not in new and k not in counters},
+        source,
+        "pass weights of this model (model.name and its options)",
+    )
+    model.load_state_dict(state, strict=not (new or counters))
+    if new:
+        log.info("%s: %s", source, new_head_line(", ".join(new), own[new[0]].shape[0], saved_classes))
+
+
+def apply_freeze(model: nn.Module, freeze, head: set[str]) -> tuple[int, int]:
+    """model.freeze: parameters under these module-name prefixes (or all but the head: backbone) are not trained.
+    Returns (frozen, all) parameter tensors."""
+    names = [n for n, _ in model.named_parameters()]
+    if freeze == "backbone":
+        frozen = {n for n in names if n not in head}
+    else:
+        prefixes = [freeze] if isinstance(freeze, str) else list(freeze)
+        for prefix in prefixes:
+            if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+                children = ", ".join(n for n, _ in model.named_children())
+                raise ConfigError(
+                    f"model.freeze: {prefix!r} names no parameter of this model; its modules: {children} "
+                    f"(a prefix like layer1 or layer1.0), or backbone (all but the head)"
+                )
+        frozen = {n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes)}
+    if len(frozen) == len(names):
+        raise ConfigError(f"model.freeze={freeze} freezes every parameter: nothing would train; freeze fewer modules")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    return len(frozen), len(names)
+
+
+def head_names(cfg, model: nn.Module, num_classes: int, in_channels: int) -> set[str]:
+    """The head of `model`, built from `cfg` (see head_of)."""
+    return head_of(model, lambda: build_model(cfg, num_classes + 1, in_channels, start=False))
+
+
+def preflight(cfg) -> None:
+    """Before any process starts: the starting point's files are there and model.freeze names this model's
+    modules (it is built on the meta device; the class and channel counts do not change module names)."""
+    if cfg.get("pretrained"):
+        name, target = cfg.name, cfg._target_.rsplit(".", 1)[-1]
+        {"torchvision_classifier": torchvision_weights_file, "timm_classifier": timm_weights_file}[target](name)
+    if cfg.get("weights") and not Path(cfg.weights).is_file():
+        read_weights(cfg.weights)  # its one-line error
+    if cfg.get("freeze"):
+        with torch.device("meta"):
+            model = build_model(cfg, 10, 3, start=False)
+            apply_freeze(model, cfg.freeze, head_names(cfg, model, 10, 3))
+
+
+def build_model(cfg, num_classes: int, in_channels: int, start: bool = True) -> nn.Module:
+    """The model of `cfg` for this data; with `start`, from its starting point (model.pretrained, model.weights)
+    and with model.freeze applied, else the architecture alone (randomly initialised)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
+    arch = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in STARTING_KEYS])
+    if not start and arch.get("pretrained"):
+        arch.pretrained = False
     try:
-        return instantiate(cfg, num_classes=num_classes, in_channels=in_channels)
+        model = instantiate(arch, num_classes=num_classes, in_channels=in_channels)
     except InstantiationException as exc:
         # Hydra wraps a builder's error in a 5-line message; a bad model setting should stay ddplab's one line
         cause = exc.__cause__
@@ -144,3 +314,16 @@ def build_model(cfg, num_classes: int, in_channels: int) -> nn.Module:
         if cause is None:
             raise
         raise cause from None
+    if not start:
+        return model
+    head = head_names(cfg, model, num_classes, in_channels) if cfg.get("weights") or cfg.get("freeze") else set()
+    if cfg.get("weights"):
+        load_weights(model, read_weights(cfg.weights), f"model.weights={cfg.weights}", head)
+    if cfg.get("freeze"):
+        frozen, count = apply_freeze(model, cfg.freeze, head)
+        log.info("model.freeze=%s: %d of %d parameter tensors are not trained", _listed(cfg.freeze), frozen, count)
+    return model
+
+
+def _listed(value) -> str:
+    return value if isinstance(value, str) else f"[{','.join(value)}]"

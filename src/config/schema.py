@@ -201,6 +201,7 @@ class Trainer:
     label_smoothing: Annotated[float, Fraction]
     grad_clip: Annotated[float, PositiveReal] | None
     resume: str | None
+    init_from: str | None
     max_restarts: Annotated[int, NonNegative]
     limit_train_batches: Annotated[int, Positive] | None
     limit_eval_batches: Annotated[int, Positive] | None
@@ -227,6 +228,15 @@ class Optim:
     betas: list[Annotated[float, Fraction]]
     eps: Annotated[float, PositiveReal]
     decay_norm_and_bias: bool
+    pretrained_lr_scale: Annotated[float, Range(0, 1, open_lo=True)]
+
+
+@dataclass
+class ModelStart:
+    """Every model's starting point and frozen part (src/models.py `build_model`), beside its builder's options."""
+
+    weights: str | None
+    freeze: str | list[str] | None  # prefixes, or backbone
 
 
 @dataclass
@@ -271,9 +281,34 @@ def check(cfg: DictConfig) -> None:
     if len(cfg.optim.get("betas", [0, 0])) != 2:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     for group in ("model", "scheduler", "strategy"):  # their _target_'s signature is their schema
-        check_section(
-            cfg[group], group, target_of(cfg[group], group), skip=("_partial_", "name", "num_classes", "in_channels")
-        )
+        skip = ("_partial_", "name", "num_classes", "in_channels", *(declared(ModelStart) if group == "model" else ()))
+        check_section(cfg[group], group, target_of(cfg[group], group), skip=skip)
+    start = [key for key in declared(ModelStart) if key in cfg.model]  # a model YAML of your own may lack them
+    check_section(OmegaConf.masked_copy(cfg.model, start), "model", ModelStart)
+    check_starting_point(cfg)
     for name, options in (cfg.get("logger") or {}).items():
         check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
     refuse_lookalikes(cfg.paths, "paths", ("root_dir", "data_dir", "log_dir", "output_dir"))
+
+
+def check_starting_point(cfg: DictConfig) -> None:
+    """One starting point at most, and the options that need one."""
+    m, t = cfg.model, cfg.trainer
+    if m.get("weights") and m.get("pretrained"):
+        raise ConfigError("model.weights and model.pretrained=true both name the starting weights; choose one")
+    if t.get("init_from") and (m.get("weights") or m.get("pretrained")):
+        raise ConfigError(
+            "trainer.init_from takes every weight from its checkpoint; drop model.weights and model.pretrained"
+        )
+    if t.get("init_from") and cfg.train and t.resume not in (None, "none", "auto"):
+        raise ConfigError(f"trainer.init_from starts a new run and trainer.resume={t.resume} continues one; choose one")
+    scale = cfg.optim.get("pretrained_lr_scale", 1.0)
+    if (
+        isinstance(scale, (int, float))
+        and 0 < scale < 1
+        and not (m.get("weights") or m.get("pretrained") or t.get("init_from"))
+    ):
+        raise ConfigError(
+            f"optim.pretrained_lr_scale={scale} scales the learning rate of pretrained weights, but the model starts "
+            f"from none; set model.pretrained=true, model.weights=<file> or trainer.init_from=<checkpoint>"
+        )

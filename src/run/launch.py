@@ -21,7 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.config.errors import ConfigError
+from src.config.schema import check_starting_point
 from src.distributed import rank_env
+from src.models import preflight as model_preflight
 from src.run.plan import plan_layout
 from src.run.trainer import train
 from src.state.resume import already_completed, reconcile
@@ -73,6 +75,7 @@ def main(cfg: DictConfig) -> dict:
             "a Hydra multirun (-m) under torchrun would run the whole sweep in every rank; "
             "run `python train.py -m ...` without torchrun (ranks are started per job)"
         )
+    check_starting_point(cfg)  # before a checkpoint in the run dir is compared with it
     done = already_completed(cfg, _command_line_overrides())
     if done is not None:  # a finished run is immutable: nothing runs, nothing in its dir changes
         final = done.get("final") or {}
@@ -87,10 +90,13 @@ def main(cfg: DictConfig) -> dict:
     cfg = reconcile(cfg, _command_line_overrides())  # a re-run in a run dir continues that run
     layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
     build_strategy(cfg.strategy).preflight(cfg)  # e.g. can FSDP shard this model?
-    if cfg.train and cfg.trainer.resume not in (None, "none", "auto"):
+    if cfg.train:
         from src.state.checkpoint import load
 
-        load(cfg.trainer.resume)  # unreadable or foreign file: fail before any process starts
+        model_preflight(cfg.model)  # the starting point's files are here, model.freeze names modules of the model
+        for given in (cfg.trainer.resume, cfg.trainer.get("init_from")):
+            if given not in (None, "none", "auto"):
+                load(given)  # unreadable or foreign file: fail before any process starts
     # one live run per run dir: held by the process the user started (or rank 0 of an external launcher),
     # so the local launcher keeps it across worker restarts
     lock = RunLock(cfg.paths.output_dir) if cfg.train and env.is_primary else contextlib.nullcontext()

@@ -13,19 +13,31 @@ from torch import nn
 from src.config.schema import NonNegative, Range
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_norm_and_bias: bool) -> list[dict]:
-    if decay_norm_and_bias:
-        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
-    decay, no_decay = [], []
-    for p in model.parameters():
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_norm_and_bias: bool, lr: float, scale: float = 1.0, head=frozenset()
+) -> list[dict]:
+    """The trained parameters (model.freeze leaves some out) in groups by weight decay (none on 1-d biases and norm
+    scales/shifts unless decay_norm_and_bias) and learning rate: `scale` x lr for all but the `head` (names)."""
+    groups = {}  # (decay, scaled) -> parameters; the unscaled groups come first, as before scaling existed
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 else decay).append(p)  # 1-d: biases and norm scales/shifts
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            clean = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")  # compile, AC
+            groups.setdefault((decay_norm_and_bias or p.ndim > 1, scale != 1 and clean not in head), []).append(p)
+    kinds = [(True, False)] if decay_norm_and_bias else [(True, False), (False, False)]
+    kinds += [(decay, True) for decay, _ in kinds if (decay, True) in groups]
+    return [
+        {"params": groups.get(kind, []), "weight_decay": weight_decay if kind[0] else 0.0}
+        | ({"lr": lr * scale} if kind[1] else {})
+        for kind in kinds
+    ]
 
 
-def build_optimizer(cfg: DictConfig, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(cfg: DictConfig, model: nn.Module, fused: bool = False, head=frozenset()) -> torch.optim.Optimizer:
+    """`head`: parameter names outside optim.pretrained_lr_scale (the classifier head of a starting point)."""
     cfg = OmegaConf.to_container(cfg, resolve=True)
-    groups = param_groups(model, cfg.get("weight_decay", 0.0), cfg.pop("decay_norm_and_bias", True))
+    scale = cfg.pop("pretrained_lr_scale", 1.0)
+    decay_all = cfg.pop("decay_norm_and_bias", True)
+    groups = param_groups(model, cfg.get("weight_decay", 0.0), decay_all, cfg["lr"], scale, head)
     extra = {"fused": True} if fused else {}
     return instantiate(cfg)(groups, **extra)
 

@@ -22,7 +22,7 @@ from src.data.decode import EncodedImages
 from src.data.loader_choice import build_loader
 from src.data.loaders import eval_shard, plan_epoch
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
-from src.models import build_model
+from src.models import build_model, head_names, new_head_line
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
@@ -145,7 +145,12 @@ class Trainer:
                     f"trainer.{key}={value} ranks epochs by {self.monitor.metric}, but this data has no validation "
                     f"split; set data.val_fraction > 0 or trainer.{key}=null"
                 )
-        model = build_model(cfg.model, self.data.num_classes, self.data.channels).to(self.device)
+        classes, channels = self.data.num_classes, self.data.channels
+        model = build_model(cfg.model, classes, channels, start=cfg.train)  # an evaluation loads its checkpoint
+        # the classifier head: re-initialized by init_from for another class count, outside pretrained_lr_scale
+        started = t.init_from or cfg.optim.get("pretrained_lr_scale", 1.0) != 1
+        self.head = head_names(cfg.model, model, classes, channels) if cfg.train and started else set()
+        model = model.to(self.device)
         self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
             model = model.to(memory_format=torch.channels_last)
@@ -163,7 +168,10 @@ class Trainer:
             self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile, self.env.local_world_size
         )
         self.optimizer = build_optimizer(
-            cfg.optim, self.strategy.core, fused=self.device.type == "cuda" and self.strategy.fused_optimizer
+            cfg.optim,
+            self.strategy.core,
+            fused=self.device.type == "cuda" and self.strategy.fused_optimizer,
+            head=self.head,
         )
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))
@@ -180,6 +188,19 @@ class Trainer:
         self.progress = Progress()
         if self.primary:
             self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader, self.device)
+
+    def start_from(self, path: str) -> None:
+        """trainer.init_from: a new run (epoch 0, this run's optimizer and schedule) from another run's weights,
+        read by the strategy as any checkpoint of either format is."""
+        state = self.strategy.load_checkpoint(path, head=self.head)
+        if self.primary:
+            new = state["new_head"]
+            log.info(
+                "trainer.init_from: the weights of %s (its epoch %d)%s",
+                path,
+                state["epoch"],
+                f"; {new_head_line(', '.join(new), self.data.num_classes)}" if new else "",
+            )
 
     def _count_flops(self, model: torch.nn.Module) -> float:
         """FLOPs of one training image (forward + backward), counted once on two images: linear in the batch."""
@@ -447,6 +468,8 @@ class Trainer:
             path = self.checkpoints.resume_path()
             if path is not None:
                 self.progress = self.checkpoints.restore(path)
+            elif self.t.init_from:
+                self.start_from(self.t.init_from)
             with self.stops_in_one_line():
                 self.fit()
             # before the best weights (rank 0's copy) are loaded everywhere: did the replicas stay identical?

@@ -242,24 +242,24 @@ def load(path: Path | str) -> dict:
     return state
 
 
-def check_compatible(saved: dict, model: dict, path) -> None:
+RESUME_ADVICE = "use the model= and data= it was trained with, or trainer.resume=none"
+
+
+def check_compatible(saved: dict, model: dict, what: str, advice: str = RESUME_ADVICE) -> None:
     """Same parameter names and shapes (`{name: shape}` of the checkpoint and of the model), or a one-line
-    error naming the first difference."""
+    error naming `what` (e.g. `checkpoint <path>`), the first difference and `advice`."""
     missing = [k for k in model if k not in saved]
     unexpected = [k for k in saved if k not in model]
     shapes = [k for k in model if k in saved and tuple(saved[k]) != tuple(model[k])]
     if missing or unexpected or shapes:
-        what = (
+        difference = (
             f"missing {missing[:3]}"
             if missing
             else f"unexpected {unexpected[:3]}"
             if unexpected
             else f"shape of {shapes[0]} is {tuple(saved[shapes[0]])} vs {tuple(model[shapes[0]])}"
         )
-        raise ConfigError(
-            f"checkpoint {path} does not match this model/data ({what}); use the model= and "
-            f"data= it was trained with, or trainer.resume=none"
-        )
+        raise ConfigError(f"{what} does not match this model/data ({difference}); {advice}")
 
 
 def saved_shapes(path: Path | str, state: dict) -> dict[str, tuple]:

@@ -125,8 +125,8 @@ def already_completed(cfg: DictConfig, overrides: list[str] | None) -> dict | No
         best = find(run_dir / "checkpoints", "best") or find(run_dir / "checkpoints", "last")
         raise ConfigError(
             f"{run_dir} holds a completed run and {'; '.join(changed)} would change its recorded numbers; "
-            f"evaluate it with {train_command(('train', 'false'), ('ckpt_path', best))} or train in another "
-            f"hydra.run.dir"
+            f"evaluate it with {train_command(('train', 'false'), ('ckpt_path', best))}, or start a new run from "
+            f"its weights with {train_command(('trainer.init_from', best))} and your overrides"
         )
     return metrics
 
@@ -242,7 +242,8 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     if refused:
         raise ConfigError(
             f"{path} was trained with other settings that change the result: {'; '.join(refused)}; "
-            f"drop these overrides to continue it, or start a new run (another hydra.run.dir)"
+            f"drop these overrides to continue it, or start a new run from its weights: "
+            f"{train_command(('trainer.init_from', path))} and your overrides"
         )
     # where it ran too, unless this command line says otherwise: the printed resume command continues a ddp
     # run as ddp (a BatchNorm model's result depends on the per-device batch). A command line naming the

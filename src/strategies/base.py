@@ -131,8 +131,8 @@ class Strategy:
         """Unsharded model and optimizer state keyed by parameter name (collective under fsdp)."""
         return get_state_dict(self.core, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None) -> None:
-        options = StateDictOptions(full_state_dict=True, strict=True)
+    def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None, strict=True) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
         if optimizer is None:
             set_model_state_dict(self.core, model_state, options=options)
         else:
@@ -147,28 +147,46 @@ class Strategy:
         if primary:
             ckpt.save_full({"model": model_state, "optimizer": optim_state, **state}, directory, names)
 
-    def load_checkpoint(self, path, optimizer=None) -> dict:
+    def load_checkpoint(self, path, optimizer=None, head: set[str] = frozenset()) -> dict:
         """Load a checkpoint of either format into the model (and `optimizer`); return the rest of its state.
-        From a sharded one each rank reads what its own layout holds, whatever number of ranks wrote it."""
+        From a sharded one each rank reads what its own layout holds, whatever number of ranks wrote it.
+        `head` (trainer.init_from): entries left as initialized where their shape differs (another class
+        count); the returned state lists them as `new_head`."""
         path = Path(path)
         state = ckpt.load(path)
         shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.core).items()}  # no gather
-        ckpt.check_compatible(ckpt.saved_shapes(path, state), shapes, path)
+        saved = ckpt.saved_shapes(path, state)
+        new = sorted(k for k in head if k in saved and k in shapes and saved[k] != shapes[k])
+        advice = "use the model= it was trained with" if head else ckpt.RESUME_ADVICE
+        ckpt.check_compatible(
+            {k: v for k, v in saved.items() if k not in new},
+            {k: v for k, v in shapes.items() if k not in new},
+            f"checkpoint {path}",
+            advice,
+        )
+        state["new_head"] = new
         if not path.is_dir():
-            self.load_state_dict(state["model"], optimizer, state["optimizer"] if optimizer is not None else None)
+            model_state = {k: v for k, v in state["model"].items() if k not in new}
+            self.load_state_dict(model_state, optimizer, state["optimizer"] if optimizer is not None else None, not new)
             return state
         if optimizer is None:
             tensors = {"model": get_model_state_dict(self.core)}
         else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
             tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
+        tensors["model"] = {k: v for k, v in tensors["model"].items() if k not in new}  # DCP reads only these
         with warnings.catch_warnings():  # one process (no process group) reading it is intended
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             ckpt.dcp_load(tensors, path)
+        options = StateDictOptions(strict=not new)
         if optimizer is None:
-            set_model_state_dict(self.core, tensors["model"])
+            set_model_state_dict(self.core, tensors["model"], options=options)
         else:
             set_state_dict(
-                self.core, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"]
+                self.core,
+                optimizer,
+                model_state_dict=tensors["model"],
+                optim_state_dict=tensors["optimizer"],
+                options=options,
             )
         return state
 

@@ -59,7 +59,7 @@ class FSDP(_Distributed):
         from src.models import build_model
 
         with torch.device("meta"):
-            self.blocks(build_model(cfg.model, num_classes=10, in_channels=3))
+            self.blocks(build_model(cfg.model, num_classes=10, in_channels=3, start=False))
 
     def memory_fixes(self, devices):
         fixes = ["set strategy.shard_modules=blocks"] if self._blocks_in_root else []
