@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import re
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -18,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
 
-# Final metrics shown in TensorBoard's HParams tab, logged as scalars `hparams/<name>`.
+# Final metrics shown in TensorBoard's HParams tab, logged as one-point scalars `z_final/<name>`: TensorBoard sorts
+# the Scalars page's sections by name and opens the first two, so train/val/test come first.
+FINAL_SECTION = "z_final"
 METRICS = (
     "test_loss",
     "test_top1",
@@ -37,7 +40,7 @@ class Logger:
     """What the trainer calls. Every method does nothing here, which is what `logger=none` gets."""
 
     def log_metrics(self, metrics: dict, step: int) -> None:
-        """Scalars under flat tags (`train/loss`, `val/top1`, `time/epoch_sec`, ...) at `step` (the epoch)."""
+        """Scalars under flat tags (`train/loss`, `val/top1`, `train/epoch_sec`, ...) at `step` (the epoch)."""
 
     def log_steps(self, metrics: dict, step: int) -> None:
         """Every trainer.log_every_n_steps optimizer steps: `train_steps/loss`, `train_steps/lr`, ... at `step`
@@ -85,20 +88,88 @@ def build_loggers(cfg: DictConfig, run_dir) -> Loggers:
     )
 
 
-def job_identity(run_dir: Path) -> tuple[str, str | None]:
-    """(name, group) of the job: its Hydra override dirname, or the run dir's name when it has no overrides;
-    in a multirun, the sweep directory's last two parts (`<date>/<time>`: the time alone repeats across days)."""
+def _hydra_job(run_dir: Path):
+    """Hydra's config of the job that writes `run_dir` when this process runs its Hydra app, else None (ranks
+    the elastic launcher started read Hydra's files instead)."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra = HydraConfig.get() if HydraConfig.initialized() else None
-    # HydraConfig when this process runs the job's Hydra app; ranks the elastic launcher started read Hydra's files
-    if hydra is not None and Path(hydra.runtime.output_dir).resolve() == run_dir.resolve():
+    return hydra if hydra is not None and Path(hydra.runtime.output_dir).resolve() == run_dir.resolve() else None
+
+
+def job_identity(run_dir: Path) -> tuple[str, str | None]:
+    """(name, group) of the job: its Hydra override dirname, or the run dir's name when it has no overrides;
+    in a multirun, the sweep directory's last two parts (`<date>/<time>`: the time alone repeats across days)."""
+    hydra = _hydra_job(run_dir)
+    if hydra is not None:
         name, multirun = hydra.job.override_dirname, hydra.mode.name == "MULTIRUN"
     else:
         overrides = run_dir / ".hydra" / "overrides.yaml"
         name = ",".join(sorted(OmegaConf.load(overrides))) if overrides.exists() else ""  # as Hydra joins them
         multirun = (run_dir.parent / "multirun.yaml").exists()
     return name or run_dir.name, ("/".join(run_dir.resolve().parts[-3:-1]) if multirun else None)
+
+
+# Config keys that src/reporting/results.py's hparams() reports under another name; any other swept key is its
+# own HParams column (`seed`, `model`, `strategy` are both)
+HPARAM_OF_KEY = {
+    "data.batch_size": "global_batch",
+    "optim.lr": "lr",
+    "trainer.amp": "amp",
+    "trainer.amp_dtype": "amp_dtype",
+    "trainer.accumulate_grad_batches": "accumulate_grad_batches",
+    "trainer.max_epochs": "max_epochs",
+    "trainer.compile": "compile",
+    "trainer.channels_last": "channels_last",
+    "data.num_workers": "num_workers",
+    "strategy.sync_bn": "sync_bn",
+    "strategy.gradient_sync": "gradient_sync",
+}
+
+
+@dataclass
+class SweepPoint:
+    """What sets a job apart from the other points of its sweep: `name` (`seed=2,data.batch_size=64`: the swept
+    overrides in the command line's order), `values` (the HParams column of each swept key and this job's value)
+    and `domains` (each column's values over the sweep, where the sweep lists them)."""
+
+    name: str
+    values: dict = field(default_factory=dict)
+    domains: dict = field(default_factory=dict)
+
+
+def sweep_point(run_dir: Path) -> SweepPoint:
+    """The job's point in its sweep, from Hydra's overrides: the job's own and the sweep's (`multirun.yaml` holds
+    them as typed: `seed=1,2`). A job outside a sweep, or of a sweep of one point, is named like job_identity."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    run_dir, parser = Path(run_dir), OverridesParser.create()
+    sweep_file, swept = run_dir.parent / "multirun.yaml", {}
+    sweep = OmegaConf.load(sweep_file) if sweep_file.exists() else OmegaConf.create()
+    typed = list(OmegaConf.select(sweep, "hydra.overrides.task", default=None) or [])  # as the command line had them
+    for override in parser.parse_overrides(typed):
+        if override.is_sweep_override():
+            try:  # choices and ranges list their values; an interval or a glob does not
+                swept[override.key_or_group] = list(override.sweep_string_iterator())
+            except HydraException:
+                swept[override.key_or_group] = []
+    hydra, own_file = _hydra_job(run_dir), run_dir / ".hydra" / "overrides.yaml"
+    if hydra is not None:
+        own = list(hydra.overrides.task)
+    else:
+        own = list(OmegaConf.load(own_file)) if own_file.exists() else []
+    point = sorted(  # in the sweep's order, the command line's
+        (o for o in parser.parse_overrides(own) if o.key_or_group in swept),
+        key=lambda o: list(swept).index(o.key_or_group),
+    )
+    if not point:
+        return SweepPoint(name=job_identity(run_dir)[0])
+    return SweepPoint(
+        name=",".join(o.input_line for o in point),
+        values={HPARAM_OF_KEY.get(o.key_or_group, o.key_or_group): o.value() for o in point},
+        domains={HPARAM_OF_KEY.get(key, key): values for key, values in swept.items()},
+    )
 
 
 # --- TensorBoard ----------------------------------------------------------------------------------
@@ -113,26 +184,66 @@ def open_writer(run_dir):
 
 
 def _hparam_value(value):
-    # Numbers stay numbers; everything else, booleans included, becomes its str(): torch's hparams()
-    # tests for int before bool, so a bool would show as 0.0/1.0 rather than False/True.
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    # TensorBoard prints every number with 5 significant digits (2 as 2.0000): integers go as text, like booleans
+    # and everything else but floats
+    return value if isinstance(value, float) else str(value)
 
 
-def write_hparams(writer, hparams: dict, final_metrics: dict, step: int = 0) -> None:
+def _summary(tag: str, data):
+    """One hparams plugin summary (experiment, session start or session end) as an event file holds it."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.hparams import metadata
+
+    return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
+
+
+def write_hparams(writer, hparams: dict, final_metrics: dict, step: int = 0, point: SweepPoint | None = None) -> None:
     """Write the HParams experiment, session start and session end into `writer`'s own event file, next to the
     training scalars, so each job is one TensorBoard run and one HParams session (`SummaryWriter.add_hparams`
     would open a sub-run `<logdir>/<timestamp>/`: every job twice, pytorch issues 32651, 37738). Each final
-    metric of METRICS that is not None is also written as scalar `hparams/<name>` at `step`: the value the
-    HParams tab shows for the session."""
-    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+    metric of METRICS that is not None is also written as scalar `z_final/<name>` at `step`: the value the
+    HParams tab shows for the session.
 
-    hp = {str(k): _hparam_value(v) for k, v in hparams.items()}
-    metrics = {f"hparams/{name}": float(final_metrics[name]) for name in METRICS if final_metrics.get(name) is not None}
+    The session is named after `point` (its Trial ID), and the hyper-parameters the sweep varies come first,
+    with `status`: they are marked `differs`, which TensorBoard sorts first, and the tab ticks the first five."""
+    from google.protobuf import struct_pb2
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    point = point or SweepPoint(name="")
+    values = {name: _hparam_value(v) for name, v in {**point.values, **hparams}.items()}
+    first = [*point.values, *(["status"] if "status" in values else [])]
+    start = plugin_data_pb2.SessionStartInfo(group_name=point.name)
+    infos = []
+    for name in dict.fromkeys([*first, *values]):
+        value, domain = values[name], point.domains.get(name, [])
+        info = api_pb2.HParamInfo(name=name, differs=name in first)
+        if isinstance(value, float):
+            start.hparams[name].number_value = value
+            info.type = api_pb2.DATA_TYPE_FLOAT64
+        else:
+            start.hparams[name].string_value = value
+            info.type = api_pb2.DATA_TYPE_STRING
+            if value in domain:  # the tab's filter lists the sweep's values
+                info.domain_discrete.values.extend(struct_pb2.Value(string_value=v) for v in domain)
+        infos.append(info)
+    metrics = {name: float(final_metrics[name]) for name in METRICS if final_metrics.get(name) is not None}
+    experiment = api_pb2.Experiment(
+        hparam_infos=infos,
+        metric_infos=[
+            api_pb2.MetricInfo(name=api_pb2.MetricName(tag=f"{FINAL_SECTION}/{name}"), display_name=name)
+            for name in metrics
+        ],
+    )
+    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS)
     # file_writer: the public FileWriter of the writer's event file (add_hparams writes its sub-run through it)
-    for summary in hparams_summaries(hp, metrics):  # experiment, session start, session end
-        writer.file_writer.add_summary(summary, step)
-    for tag, value in metrics.items():
-        writer.add_scalar(tag, value, step)
+    for tag, data in (
+        (metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment)),
+        (metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=start)),
+        (metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=end)),
+    ):
+        writer.file_writer.add_summary(_summary(tag, data), step)
+    for name, value in metrics.items():
+        writer.add_scalar(f"{FINAL_SECTION}/{name}", value, step)
     writer.flush()
 
 
@@ -141,6 +252,7 @@ class TensorBoardLogger(Logger):
 
     def __init__(self, run_dir: Path, cfg: DictConfig | None = None):
         self.writer = open_writer(run_dir)
+        self.point = sweep_point(run_dir)  # now: HydraConfig is this job's while it runs
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         for tag, value in metrics.items():
@@ -152,7 +264,7 @@ class TensorBoardLogger(Logger):
             self.writer.add_scalar(tag, value, step)
 
     def log_hparams(self, hparams: dict, final: dict) -> None:
-        write_hparams(self.writer, hparams, final)
+        write_hparams(self.writer, hparams, final, point=self.point)
 
     def close(self) -> None:
         self.writer.close()
@@ -275,7 +387,7 @@ class WandbLogger(Logger):
             settings=wandb.Settings(silent=mode == "offline"),
         )  # nothing to link to offline
         # two x axes: epoch rows and every-N-steps rows; W&B's own step just counts the calls
-        for prefix in ("train", "val", "test", "perf", "time"):
+        for prefix in ("train", "val", "test"):
             self.run.define_metric(f"{prefix}/*", step_metric="epoch")
         self.run.define_metric("train_steps/*", step_metric="global_step")
 

@@ -81,9 +81,6 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) ->
     }
 
 
-PERF_KEYS = ("peak_mem_gb", "peak_mem_reserved_gb", "peak_host_mem_gb", "tflops_per_gpu", "mfu")
-
-
 def efficiency_line(m: dict) -> str:
     """Memory and compute efficiency, as far as this device reports them (a CPU: its host memory only; its
     FLOP rate stays in metrics.json, where it is exact, not printed as a GPU figure)."""
@@ -263,15 +260,14 @@ class Reporter:
             precision,
             efficiency_line(row),
         )
+        # tags by split; the epoch's time, rates and memory are the training loop's: `train/epoch_sec`, so that
+        # TensorBoard's Scalars page (sections sorted by name, the first two open) starts with test, train, val
         scalars = {}
         for key, value in row.items():
             split, _, name = key.partition("_")
             if key == "epoch":
                 continue
-            if split in ("train", "val", "test"):
-                scalars[f"{split}/{name}"] = value
-            else:
-                scalars[f"{'perf' if key in PERF_KEYS else 'time'}/{key}"] = value
+            scalars[f"{split}/{name}" if split in ("train", "val", "test") else f"train/{key}"] = value
         self.loggers.log_metrics(scalars, step=row["epoch"])
 
     def step(self, row: dict, global_step: int) -> None:

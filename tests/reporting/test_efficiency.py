@@ -27,7 +27,7 @@ def test_every_run_reports_tflops_and_peak_host_memory_on_cpu(cfg_factory, tmp_p
     assert 0.05 < final["peak_host_mem_gb"] < 64 and "mfu" not in final  # no honest CPU peak: no MFU
     assert "peak host mem" in caplog.text and "TFLOP/s" not in caplog.text and "MFU" not in caplog.text  # GPU figures
     header = (tmp_path / "run/metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"perf/tflops_per_gpu", "perf/peak_host_mem_gb"} <= set(header)
+    assert {"train/tflops_per_gpu", "train/peak_host_mem_gb"} <= set(header)
 
 
 def test_ddp_reports_the_max_over_ranks_and_per_device_rates(cfg_factory, tmp_path):

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LINE = "  - logger: tensorboard"
 
 EPOCHS = [
-    {"train/loss": 1.25, "train/top1": 40.5, "val/loss": 1.5, "val/top1": 38.25, "time/epoch_sec": 2.5},
-    {"train/loss": 0.75, "train/top1": 70.125, "val/loss": 0.875, "val/top1": 68.0, "time/epoch_sec": 1.75},
-    {"train/loss": 0.5, "train/top1": 81.0, "val/loss": 0.625, "val/top1": 79.5, "time/epoch_sec": 1.5},
+    {"train/loss": 1.25, "train/top1": 40.5, "val/loss": 1.5, "val/top1": 38.25, "train/epoch_sec": 2.5},
+    {"train/loss": 0.75, "train/top1": 70.125, "val/loss": 0.875, "val/top1": 68.0, "train/epoch_sec": 1.75},
+    {"train/loss": 0.5, "train/top1": 81.0, "val/loss": 0.625, "val/top1": 79.5, "train/epoch_sec": 1.5},
 ]
 TEST = {"test/loss": 0.6, "test/top1": 80.0, "test/top5": 99.0}
 HPARAMS = {"strategy": "ddp", "world_size": 2, "lr": 0.1, "amp": False, "model": "tiny_cnn"}
@@ -123,13 +123,50 @@ def test_tensorboard_scalars_and_hparams_in_one_run(tmp_path):
         assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(3, pytest.approx(value, rel=1e-6))]
     content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
     start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
-    assert {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {**HPARAMS, "amp": "False"}
+    # integers as text, as TensorBoard would print them otherwise as 2.0000; floats stay numbers
+    values = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+    assert values == {**HPARAMS, "amp": "False", "world_size": "2"} and start.group_name == "run"
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
     # the final metrics that are not None (NaN is a value), images_per_sec is None: left out
-    assert {mi.name.tag for mi in experiment.metric_infos} == {
-        f"hparams/{m}" for m in ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch")
+    finals = ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch")
+    assert [(mi.name.tag, mi.display_name) for mi in experiment.metric_infos] == [(f"z_final/{m}", m) for m in finals]
+    assert acc.Scalars("z_final/test_top1")[0].value == pytest.approx(FINAL["test_top1"])
+    assert not any(hi.differs for hi in experiment.hparam_infos)  # a single run varies nothing
+
+
+def test_tensorboard_session_of_a_sweep_point_puts_what_the_sweep_varies_first(tmp_path):
+    """A point of `-m seed=1,2 data.batch_size=32,64 model.width=8,16`, read from Hydra's files as a spawned rank
+    does: the Trial ID is its swept overrides, and the swept hyper-parameters, then status, are marked `differs`
+    (TensorBoard sorts those first and ticks the first five)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    sweep = tmp_path / "multirun" / "day" / "time"
+    run_dir = sweep / "data.batch_size=64,debug=fast,model.width=8,seed=2"
+    (run_dir / ".hydra").mkdir(parents=True)
+    point = ["debug=fast", "seed=2", "data.batch_size=64", "model.width=8"]
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(point))
+    typed = ["debug=fast", "seed=1,2", "data.batch_size=32,64", "model.width=8,16"]
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": typed}}}))
+    cfg = compose_cfg(tmp_path)
+    loggers = build_loggers(cfg, run_dir)
+    loggers.log_hparams({**HPARAMS, "global_batch": 64, "seed": 2, "status": "completed"}, FINAL)
+    loggers.close()
+
+    content = EventAccumulator(str(run_dir)).Reload().PluginTagToContent(metadata.PLUGIN_NAME)
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    assert start.group_name == "seed=2,data.batch_size=64,model.width=8"  # debug=fast is every point's
+    assert {k: start.hparams[k].string_value for k in ("seed", "global_batch", "model.width")} == {
+        "seed": "2",
+        "global_batch": "64",
+        "model.width": "8",  # a swept key that is no hyper-parameter of the report: its own column
     }
-    assert acc.Scalars("hparams/test_top1")[0].value == pytest.approx(FINAL["test_top1"])
+    infos = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG]).hparam_infos
+    assert [hi.name for hi in infos if hi.differs] == ["seed", "global_batch", "model.width", "status"]
+    assert [hi.name for hi in infos][:4] == ["seed", "global_batch", "model.width", "status"]
+    by_name = {hi.name: hi for hi in infos}
+    assert [v.string_value for v in by_name["global_batch"].domain_discrete.values] == ["32", "64"]
+    assert by_name["lr"].type == api_pb2.DATA_TYPE_FLOAT64 and by_name["seed"].type == api_pb2.DATA_TYPE_STRING
 
 
 def read_csv(path: Path) -> tuple[list, list]:

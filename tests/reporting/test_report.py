@@ -210,18 +210,18 @@ def test_hparams_in_the_job_event_file(tmp_path):
     # numbers are numbers; bools and anything else (list, None) are strings
     assert values == {
         "strategy": "ddp",
-        "world_size": 2.0,
+        "world_size": "2",
         "lr": 0.1,
         "amp": "False",
         "model": "tiny_cnn",
         "milestones": "[3, 6]",
         "note": "None",
     }
-    assert isinstance(values["amp"], str) and isinstance(values["world_size"], float)
+    assert isinstance(values["lr"], float)  # integers are text: TensorBoard prints a number as 2.0000
 
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
     tags = {
-        f"hparams/{m}"
+        f"z_final/{m}"
         for m in ("test_loss", "test_top1", "test_top5", "best_val_top1", "sec_per_epoch", "images_per_sec")
     }
     assert {mi.name.tag for mi in experiment.metric_infos} == tags
@@ -287,11 +287,11 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
 
             tags = _http(f"{base}/data/plugin/scalars/tags")
             for run in runs:
-                assert {"train/loss", "val/top1", "hparams/test_top1", "hparams/images_per_sec"} <= set(tags[run])
+                assert {"train/loss", "val/top1", "z_final/test_top1", "z_final/images_per_sec"} <= set(tags[run])
 
             experiment = _http(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
             assert {h["name"] for h in experiment["hparamInfos"]} == set(HPARAMS)
-            assert "hparams/test_top1" in {m["name"]["tag"] for m in experiment["metricInfos"]}
+            assert "z_final/test_top1" in {m["name"]["tag"] for m in experiment["metricInfos"]}
 
             groups = _http(
                 f"{base}/data/plugin/hparams/session_groups",
@@ -311,7 +311,7 @@ def test_tensorboard_server_shows_runs_scalars_and_hparams(tmp_path):
                 assert session["status"] == "STATUS_SUCCESS"
                 metric_values = {v["name"]["tag"]: v["value"] for v in session["metricValues"]}
                 for name in ("test_loss", "test_top1", "images_per_sec"):
-                    assert metric_values[f"hparams/{name}"] == pytest.approx(finals[strategy][name], rel=1e-6)
+                    assert metric_values[f"z_final/{name}"] == pytest.approx(finals[strategy][name], rel=1e-6)
         finally:
             server.terminate()
             try:

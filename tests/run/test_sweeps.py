@@ -100,9 +100,10 @@ def test_hparams_summary_is_in_each_jobs_event_file(sweep):
     acc.Reload()
     content = acc.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
-    assert start.hparams["strategy"].string_value == "ddp" and start.hparams["world_size"].number_value == 2
+    assert start.hparams["strategy"].string_value == "ddp" and start.hparams["world_size"].string_value == "2"
+    assert start.group_name == "seed=2,strategy=ddp"  # the Trial ID: the point's swept overrides
     final = json.loads((job_dir / "metrics.json").read_text())["final"]
-    assert acc.Scalars("hparams/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
+    assert acc.Scalars("z_final/test_top1")[-1].value == pytest.approx(final["test_top1"], rel=1e-6)
     assert len(list(job_dir.glob("events.out.tfevents.*"))) == 1  # one event file: no stray add_hparams sub-run
 
 
