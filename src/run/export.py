@@ -5,11 +5,14 @@ other tools read: `.pt` (a full ddplab checkpoint), `.safetensors` (the weights,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from src.config.errors import ConfigError
 from src.models import build_model
@@ -24,7 +27,8 @@ def rebuilt(state: dict) -> torch.nn.Module:
     """The checkpoint's model with its weights, on the CPU, built from its saved config and class count."""
     io = state.get("model_io") or _guessed_io(state)
     try:
-        model = build_model(state["config"]["model"], num_classes=io["num_classes"], in_channels=io["input_shape"][0])
+        arch = OmegaConf.create(state["config"]["model"])  # the architecture alone: the weights come next
+        model = build_model(arch, num_classes=io["num_classes"], in_channels=io["input_shape"][0], start=False)
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError) as exc:
         raise ConfigError(
@@ -95,15 +99,16 @@ def _onnx(model: torch.nn.Module, x: torch.Tensor, out: Path) -> torch.Tensor:
             "--format onnx needs onnx, onnxscript and onnxruntime: pip install onnx onnxscript onnxruntime"
         ) from None
     batch = torch.export.Dim("batch")
-    torch.onnx.export(
-        model,
-        (x,),
-        str(out),
-        input_names=["images"],
-        output_names=["logits"],
-        dynamic_shapes=({0: batch},),
-        dynamo=True,
-    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+        torch.onnx.export(
+            model,
+            (x,),
+            str(out),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes=({0: batch},),
+            dynamo=True,
+        )
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     return torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
 
