@@ -24,9 +24,9 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
 from src.config.errors import ConfigError
 from src.config.schema import refuse_lookalikes
+from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
 
 log = logging.getLogger(__name__)
 

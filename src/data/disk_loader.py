@@ -12,10 +12,10 @@ import logging
 
 import torch
 
+from src.config.errors import ConfigError
 from src.data.augment import DiskCrops, to_device
 from src.data.datasets import DataBundle, Split
 from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.config.errors import ConfigError
 from src.data.loaders import AUTO_GPU_DECODING_WORKERS, ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,15 @@
-"""Which loader a run gets (data.loader, data.decode, data.crop): one place that names the choice, above the loaders it
-chooses among (src/data/loaders.py: device-resident and DataLoader-based; src/data/disk_loader.py: images read from disk)."""
+"""Which loader a run gets (data.loader, data.decode, data.crop): one place that names the choice, above the
+loaders it chooses among (src/data/loaders.py: device-resident and DataLoader-based; src/data/disk_loader.py:
+images read from disk)."""
 
 from __future__ import annotations
 
 import torch
 
+from src.config.errors import ConfigError
 from src.data.datasets import DataBundle
 from src.data.decode import EncodedImages
 from src.data.disk_loader import DiskLoader
-from src.config.errors import ConfigError
 from src.data.loaders import ClassicLoader, DeviceLoader, resolve_workers
 
 

@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+from src.config.errors import ConfigError
 from src.data.augment import crop_flip, cutout, draw_params, epoch_generator, normalize, normalize_table
 from src.data.datasets import DataBundle, Split
-from src.config.errors import ConfigError
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
 log = logging.getLogger(__name__)

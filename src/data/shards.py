@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from src.data.decode import EncodedImages, as_tensor, decode_cpu, unreadable
 from src.config.errors import ConfigError
+from src.data.decode import EncodedImages, as_tensor, decode_cpu, unreadable
 from src.state.signals import Interrupted, interrupt_outside_training
 
 if TYPE_CHECKING:
