@@ -16,7 +16,15 @@ from src.data.augment import DiskCrops, to_device
 from src.data.datasets import DataBundle, Split
 from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
 from src.config.errors import ConfigError
-from src.data.loaders import AUTO_GPU_DECODING_WORKERS, ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
+from src.data.loaders import (
+    AUTO_GPU_DECODING_WORKERS,
+    ClassicLoader,
+    Recipe,
+    _Batch,
+    _EpochDraws,
+    _Requests,
+    _Transform,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +149,7 @@ class DiskLoader(ClassicLoader):
     ):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device, self.on_device, self.num_workers = device, on_device, num_workers
+        self.device, self.on_device, self.num_workers, self.seed = device, on_device, num_workers, seed
         self.gpu_share = gpu_share  # data.decode=split: CPU workers decode and this process crops (crop_on_device)
         self.name = "split" if gpu_share else "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
@@ -152,7 +160,8 @@ class DiskLoader(ClassicLoader):
             cfg.get("rrc_scale", (0.08, 1.0)),
             cfg.get("rrc_ratio", (3 / 4, 4 / 3)),
         )
-        self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
+        cutout, pad_mode = cfg.get("cutout", 0), cfg.get("pad_mode", "zeros")
+        self.transform = _Transform(data, channels_last, device, cutout, pad_mode, Recipe.of(cfg))
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         splits = {k: getattr(data, k) for k in ("train", "val", "test")}
         self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, not crop_on_device)

@@ -9,7 +9,7 @@ from src.data.datasets import DataBundle
 from src.data.decode import EncodedImages
 from src.data.disk_loader import DiskLoader
 from src.config.errors import ConfigError
-from src.data.loaders import ClassicLoader, DeviceLoader, resolve_workers
+from src.data.loaders import ClassicLoader, DeviceLoader, Recipe, resolve_workers
 
 
 def build_loader(
@@ -34,7 +34,7 @@ def build_loader(
                 "data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
                 "(data.decode=gpu decodes images read from disk on the GPU) or raise data.max_memory_gb"
             )
-        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode)
+        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode, Recipe.of(cfg))
     if isinstance(data.train.files, EncodedImages):
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
         # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
@@ -45,4 +45,4 @@ def build_loader(
         share = cfg.get("gpu_share", 0.5) if split else 0.0
         return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device, workers, share)
     workers = resolve_workers(cfg.get("num_workers", 0), device, data.in_memory, False, local_processes)
-    return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode)
+    return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode, Recipe.of(cfg))
