@@ -326,12 +326,30 @@ class DiskCrops:
         return resized_crops(regions, whole, np.asarray(flips, dtype=bool), self.size)
 
 
+def trivial_augment(images: torch.Tensor, seed: int, epoch: int, ids) -> torch.Tensor:
+    """uint8 B x C x H x W on the CPU -> each image through torchvision's TrivialAugmentWide, its random choices
+    seeded from (seed, epoch, sample id): the same for any worker, rank or world size. One image at a time (its ops
+    take one magnitude per call), under fork_rng so the caller's random state is left as it was."""
+    from torchvision.transforms import v2
+
+    op = v2.TrivialAugmentWide()
+    seeds = (sample_uniforms(seed, epoch, np.asarray(ids), 1, stream=6)[:, 0] * 2**53).astype(np.int64)
+    out = torch.empty_like(images)
+    with torch.random.fork_rng(devices=[]):
+        for k, s in enumerate(seeds.tolist()):
+            torch.manual_seed(s)
+            out[k] = op(images[k])
+    return out
+
+
 # --- batch recipes: random erasing, mixup and cutmix, drawn per micro-batch from (seed, epoch, sample id) ---------
 
 ERASE_ATTEMPTS = 10  # timm's RandomErasing tries 10 boxes before leaving the image as it is
 ERASE_DRAWS = 1 + 4 * ERASE_ATTEMPTS  # per sample: whether, then (area, log-aspect, top, left) per attempt
 MIX_DRAWS = 5  # per pair: whether, cutmix or mixup, the Beta draw, the box's centre y, x
-RECIPE_COLUMNS = 9  # erase box (top, bottom, left, right), own-image mixup weight, cutmix box (top, bottom, left, right)
+RECIPE_COLUMNS = (
+    9  # erase box (top, bottom, left, right), own-image mixup weight, cutmix box (top, bottom, left, right)
+)
 
 
 def erase_boxes(u: np.ndarray, h: int, w: int, prob: float, area=(0.02, 1 / 3), aspect=(0.3, 3.3)) -> np.ndarray:
@@ -419,4 +437,8 @@ def erase_and_mix(
     own = draws[:, 4] * (1 - (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) / (h * w))
     y_other = y[partner]
     dominant = own >= 0.5
-    return x, torch.where(dominant, y, y_other), (torch.where(dominant, y_other, y), torch.where(dominant, own, 1 - own))
+    return (
+        x,
+        torch.where(dominant, y, y_other),
+        (torch.where(dominant, y_other, y), torch.where(dominant, own, 1 - own)),
+    )

@@ -26,8 +26,9 @@ def build_loader(
     of this node (data.num_workers=auto shares its CPUs among them)."""
     choice = cfg.get("loader", "auto")
     pad_mode = cfg.get("pad_mode", "zeros")
+    trivial = cfg.get("auto_augment", "none") == "trivial"  # runs in CPU workers (src.data.augment.trivial_augment)
     if choice == "auto":
-        choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
+        choice = "gpu" if data.in_memory and device.type == "cuda" and not trivial else "classic"
     if choice == "gpu":
         if not data.in_memory:
             raise ConfigError(
@@ -38,7 +39,9 @@ def build_loader(
     if isinstance(data.train.files, EncodedImages):
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
         # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
-        decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda" and crop != "workers")
+        decode_on_device = decode == "gpu" or (
+            decode == "auto" and device.type == "cuda" and crop != "workers" and not trivial
+        )
         split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
         crop_on_device = decode_on_device or crop == "device" or split
         workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes, split)

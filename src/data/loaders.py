@@ -31,6 +31,7 @@ from src.data.augment import (
     normalize_table,
     recipe_draws,
     to_device,
+    trivial_augment,
 )
 from src.data.datasets import DataBundle, Split
 from src.config.errors import ConfigError
@@ -81,19 +82,22 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Random erasing (its probability) and mixup/cutmix (timm's Mixup, per pair): applied per micro-batch."""
+    """Random erasing (its probability) and mixup/cutmix (timm's Mixup, per pair): applied per micro-batch on the
+    device; TrivialAugment (auto_augment=trivial): per image in the CPU workers."""
 
     erasing: float = 0.0
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     mix_prob: float = 1.0
     switch_prob: float = 0.5
+    trivial: bool = False
 
     @classmethod
     def of(cls, cfg) -> Recipe:
         keys = ("random_erasing", "mixup_alpha", "cutmix_alpha", "mix_prob", "mix_switch_prob")
         defaults = {"mix_prob": 1.0, "mix_switch_prob": 0.5}
-        return cls(*(float(cfg.get(k, defaults.get(k, 0.0))) for k in keys))
+        numbers = (float(cfg.get(k, defaults.get(k, 0.0))) for k in keys)
+        return cls(*numbers, trivial=cfg.get("auto_augment", "none") == "trivial")
 
     @property
     def mixing(self) -> tuple | None:
@@ -283,7 +287,10 @@ class _MemoryBatches(torch.utils.data.Dataset):
     def __getitems__(self, request):
         epoch, ids = request[0], torch.from_numpy(request[1])
         params = self.draws(epoch, ids)
-        return _Batch(self.transform.augment(self.split.images[ids], params), self.split.labels[ids], params)
+        images = self.transform.augment(self.split.images[ids], params)
+        if epoch is not None and self.transform.recipe.trivial:
+            images = trivial_augment(images, self.draws.seed, epoch, ids)
+        return _Batch(images, self.split.labels[ids], params)
 
 
 class _FileBatches(torch.utils.data.Dataset):
@@ -371,7 +378,12 @@ class ClassicLoader:
         recipe: Recipe = Recipe(),
     ):
         self.device, self.seed = device, seed
-        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout, pad_mode=pad_mode)
+        if recipe.trivial and not data.in_memory:  # a builder's own Dataset: its workers do not augment
+            raise ConfigError(
+                f"data.auto_augment=trivial runs in the workers of in-memory data, ImageFolders and shards, not in "
+                f"data={data.name!r}'s own on-disk Dataset; set data.auto_augment=none"
+            )
+        cpu = _Transform(data, False, torch.device("cpu"), cutout, pad_mode, recipe)
         # normalizes, erases and mixes on the device
         self.transform = _Transform(data, channels_last, device, cutout, pad_mode, recipe)
         self.datasets = {

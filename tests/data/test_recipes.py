@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from src.config.errors import ConfigError
-from src.data.augment import erase_and_mix, mix_draws, recipe_draws, sample_uniforms
+from src.data.augment import erase_and_mix, mix_draws, recipe_draws, sample_uniforms, trivial_augment
 from src.data.datasets import load_data
 from src.data.loaders import ClassicLoader, DeviceLoader, Recipe, plan_epoch
 from src.run.loss import build_loss_terms, loss_terms
@@ -160,3 +160,82 @@ def test_bad_recipe_settings_are_one_line(cfg_factory, overrides, message):
 
 def test_recipes_are_off_by_default(cfg_factory):
     assert not Recipe.of(cfg_factory().data).on and Recipe.of(cfg_factory("data.cutmix_alpha=1").data).mixing
+
+
+def test_trivial_augment_is_torchvisions_seeded_per_sample():
+    from torchvision.transforms import v2
+
+    images = torch.randint(0, 256, (6, 3, 12, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    ids = np.array([40, 7, 13, 2, 99, 5])
+    state = torch.random.get_rng_state()
+    out = trivial_augment(images, 3, 2, ids)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    seeds = (sample_uniforms(3, 2, ids, 1, stream=6)[:, 0] * 2**53).astype(np.int64)
+    for image, s, got in zip(images, seeds.tolist(), out):
+        torch.manual_seed(s)
+        assert torch.equal(got, v2.TrivialAugmentWide()(image))
+    assert not torch.equal(out, images)
+    swapped = trivial_augment(images[[3, 4, 5, 0, 1, 2]], 3, 2, ids[[3, 4, 5, 0, 1, 2]])
+    assert torch.equal(swapped, out[[3, 4, 5, 0, 1, 2]])  # a function of the sample, not of its place
+    assert not torch.equal(trivial_augment(images, 3, 3, ids), out)  # a new epoch, new choices
+
+
+def test_trivial_augment_is_the_same_in_workers_and_for_two_ranks(cfg_factory):
+    data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
+    cpu, recipe = torch.device("cpu"), Recipe(trivial=True, erasing=0.5, cutmix_alpha=1.0)
+    one = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
+    here = list(ClassicLoader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(one, 1))
+    workers = list(ClassicLoader(data, cpu, False, 2, seed=3, recipe=recipe).train_batches(one, 1))
+    plain = list(ClassicLoader(data, cpu, False, 0, seed=3).train_batches(one, 1))
+    assert all(torch.equal(a.x, b.x) for a, b in zip(here, workers))
+    assert not all(torch.equal(a.x, b.x) for a, b in zip(here, plain))
+    ranks = [
+        list(
+            ClassicLoader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(
+                plan_epoch(len(data.train), 16, 2, r, 1, 3, 1), 1
+            )
+        )
+        for r in (0, 1)
+    ]
+    for whole, *halves in zip(here, *ranks):
+        assert torch.equal(whole.x, torch.cat([h.x for h in halves]))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("data.auto_augment=rand",), "data.auto_augment must be none or trivial"),
+        (("data.auto_augment=trivial", "data.loader=gpu"), "not in data.loader=gpu; use data.loader=classic"),
+        (
+            ("data=shards", "data.root=/nowhere", "data.auto_augment=trivial", "data.decode=gpu"),
+            "set data.decode=cpu (or auto) and data.crop=workers (or auto)",
+        ),
+    ],
+)
+def test_trivial_augment_where_it_cannot_run_is_one_line(cfg_factory, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        plan_layout(cfg_factory(*overrides))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_trivial_augment_on_images_read_from_disk(tmp_path):
+    """Decoded and cropped on the CPU, then augmented in the workers: 0 or 2 workers, one rank or two, agree."""
+    from src.data.loader_choice import build_loader
+    from tests.data.test_decode import CPU, disk_data, write_tree
+
+    write_tree(tmp_path / "tree", per_class=(24, 2))
+    got = {}
+    for workers, trivial in ((0, "trivial"), (2, "trivial"), (0, "none")):
+        data, cfg = disk_data(
+            tmp_path, tmp_path / "tree", f"data.num_workers={workers}", f"data.auto_augment={trivial}"
+        )
+        loader = build_loader(data, cfg.data, CPU, False, seed=7)
+        try:
+            layouts = [plan_epoch(len(data.train), 8, w, r, 1, seed=7, epoch=1) for w, r in ((1, 0), (2, 0), (2, 1))]
+            got[workers, trivial] = [[b.x for b in loader.train_batches(steps, 1)] for steps in layouts]
+        finally:
+            loader.close()
+    (one, r0, r1), again, plain = got[0, "trivial"], got[2, "trivial"], got[0, "none"]
+    assert all(torch.equal(a, b) for a, b in zip(one, again[0]))
+    assert all(torch.equal(a, torch.cat([b, c])) for a, b, c in zip(one, r0, r1))
+    assert not all(torch.equal(a, b) for a, b in zip(one, plain[0]))
