@@ -352,7 +352,7 @@ RECIPE_COLUMNS = (
 )
 
 
-def erase_boxes(u: np.ndarray, h: int, w: int, prob: float, area=(0.02, 1 / 3), aspect=(0.3, 3.3)) -> np.ndarray:
+def erase_boxes(u: np.ndarray, h: int, w: int, prob: float, area=(0.02, 1 / 3), aspect=(0.3, 1 / 0.3)) -> np.ndarray:
     """int64 B x 4 (top, bottom, left, right) of timm's RandomErasing (one box, the first of 10 draws that fits,
     where u[:, 0] < prob) from u (B x ERASE_DRAWS uniforms); an empty box elsewhere."""
     a = u[:, 1:].reshape(-1, ERASE_ATTEMPTS, 4)
@@ -395,7 +395,8 @@ def recipe_draws(seed: int, epoch: int, ids, h: int, w: int, erasing: float, mix
     """float32 B x RECIPE_COLUMNS for one micro-batch of sample `ids`: each sample's random erasing box, and its
     pair's mixup weight and cutmix box. Pairs are positions (0, 1), (2, 3), ... of the micro-batch, drawn from the
     pair's first id: with even micro-batches, cut from the global batch at even offsets, every layout keeps the
-    same pairs (and an odd last sample is paired with itself). mixing: (mixup_alpha, cutmix_alpha, prob, switch)."""
+    same pairs (and an odd last sample is paired with itself). timm pairs mirror positions (i, B - 1 - i), which
+    would change with the micro-batch. mixing: (mixup_alpha, cutmix_alpha, prob, switch)."""
     ids = np.asarray(ids, dtype=np.int64)
     out = np.zeros((len(ids), RECIPE_COLUMNS))
     out[:, 4] = 1.0
