@@ -73,6 +73,12 @@ SHARED_KEYS = {
     "augment": (lambda v: v in AUGMENTS, f"one of {', '.join(AUGMENTS)}"),
     "cutout": (lambda v: _is_int(v, 0), "a side length in pixels >= 0 (0 = off)"),
     "pad_mode": (lambda v: v in ("zeros", "reflect"), "zeros or reflect"),
+    "auto_augment": (lambda v: v in ("none", "trivial"), "none or trivial (TrivialAugmentWide)"),
+    "random_erasing": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1] (0 = off)"),
+    "mixup_alpha": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0 = off)"),
+    "cutmix_alpha": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0 = off)"),
+    "mix_prob": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+    "mix_switch_prob": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
     "num_workers": (lambda v: v == "auto" or _is_int(v, 0), "auto or an integer >= 0"),
     "loader": (lambda v: v in ("auto", "classic", "gpu"), "auto, classic or gpu"),
 }
@@ -149,6 +155,24 @@ def check_data_config(cfg: DictConfig) -> None:
     for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
         if key in cfg and not ok(cfg[key]):
             raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
+    mixing = cfg.get("mixup_alpha", 0) or cfg.get("cutmix_alpha", 0)
+    if mixing and cfg.get("skip_bad_images"):  # a skipped image would shift the pairs of its micro-batch
+        raise ConfigError(
+            "data.mixup_alpha/cutmix_alpha pair the samples of each micro-batch, which data.skip_bad_images=true "
+            "would shift; set data.skip_bad_images=false (and repack or remove the bad images)"
+        )
+    if cfg.get("auto_augment") == "trivial":  # per image on the CPU, where the workers crop (trivial_augment)
+        if cfg.get("loader") == "gpu":
+            raise ConfigError(
+                "data.auto_augment=trivial runs per image in the CPU workers, not in data.loader=gpu; "
+                "use data.loader=classic (or auto)"
+            )
+        if cfg.get("decode") in ("gpu", "split") or cfg.get("crop") == "device":
+            raise ConfigError(
+                f"data.auto_augment=trivial runs in the CPU workers after their crops, not with "
+                f"data.decode={cfg.get('decode')} data.crop={cfg.get('crop')}; set data.decode=cpu (or auto) and "
+                "data.crop=workers (or auto)"
+            )
     if cfg.get("decode") in ("gpu", "split") and cfg.get("crop") == "workers":
         raise ConfigError(
             f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={cfg.decode}) are "

@@ -13,10 +13,18 @@ import logging
 import torch
 
 from src.config.errors import ConfigError
-from src.data.augment import DiskCrops, to_device
+from src.data.augment import DiskCrops, to_device, trivial_augment
 from src.data.datasets import DataBundle, Split
 from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
-from src.data.loaders import AUTO_GPU_DECODING_WORKERS, ClassicLoader, _Batch, _EpochDraws, _Requests, _Transform
+from src.data.loaders import (
+    AUTO_GPU_DECODING_WORKERS,
+    ClassicLoader,
+    Recipe,
+    _Batch,
+    _EpochDraws,
+    _Requests,
+    _Transform,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +70,15 @@ class _DiskBatches(torch.utils.data.Dataset):
     and the step (H100: 3,071 and 3,154 images/s beside each other), so the training process crops."""
 
     def __init__(
-        self, splits: dict[str, Split], crops: DiskCrops, device: torch.device | None, skip: bool, crop_here: bool
+        self,
+        splits: dict[str, Split],
+        crops: DiskCrops,
+        device: torch.device | None,
+        skip: bool,
+        crop_here: bool,
+        trivial: bool = False,
     ):
-        self.splits, self.crops, self.device, self.skip = splits, crops, device, skip
+        self.splits, self.crops, self.device, self.skip, self.trivial = splits, crops, device, skip, trivial
         self.crop_here = crop_here  # false: whole images go to the training process, which crops them
 
     def __len__(self):
@@ -83,7 +97,10 @@ class _DiskBatches(torch.utils.data.Dataset):
         if not images:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
             return _Batch(torch.empty(0, dtype=torch.uint8), labels[ids], ids=ids, skipped=tuple(skipped))
         if self.crop_here:
-            return _Batch(self.crops(images, ids, epoch), labels[ids], ids=ids, skipped=tuple(skipped))
+            x = self.crops(images, ids, epoch)
+            if self.trivial and split == "train" and epoch is not None:
+                x = trivial_augment(x, self.crops.seed, epoch, ids)
+            return _Batch(x, labels[ids], ids=ids, skipped=tuple(skipped))
         # a training crop's region only, not the whole image: about the crop's bytes cross to the training process
         cut = self.crops.regions(images, ids, epoch)
         images, flips = cut if cut else (images, None)
@@ -141,7 +158,7 @@ class DiskLoader(ClassicLoader):
     ):
         if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device, self.on_device, self.num_workers = device, on_device, num_workers
+        self.device, self.on_device, self.num_workers, self.seed = device, on_device, num_workers, seed
         self.gpu_share = gpu_share  # data.decode=split: CPU workers decode and this process crops (crop_on_device)
         self.name = "split" if gpu_share else "gpudecode" if on_device else "cpudecode" if crop_on_device else "classic"
         self.skip = bool(cfg.get("skip_bad_images", False))
@@ -152,10 +169,16 @@ class DiskLoader(ClassicLoader):
             cfg.get("rrc_scale", (0.08, 1.0)),
             cfg.get("rrc_ratio", (3 / 4, 4 / 3)),
         )
-        self.transform = _Transform(data, channels_last, device, cfg.get("cutout", 0), cfg.get("pad_mode", "zeros"))
+        recipe = Recipe.of(cfg)
+        if recipe.trivial and crop_on_device:  # check_data_config refuses what asks for it; this is the backstop
+            raise ConfigError("data.auto_augment=trivial runs in CPU workers: set data.decode=cpu data.crop=workers")
+        cutout, pad_mode = cfg.get("cutout", 0), cfg.get("pad_mode", "zeros")
+        self.transform = _Transform(data, channels_last, device, cutout, pad_mode, recipe)
         self.draws = _EpochDraws(self.transform, len(data.train), seed, device)
         splits = {k: getattr(data, k) for k in ("train", "val", "test")}
-        self.dataset = _DiskBatches(splits, crops, device if on_device else None, self.skip, not crop_on_device)
+        self.dataset = _DiskBatches(
+            splits, crops, device if on_device else None, self.skip, not crop_on_device, recipe.trivial
+        )
         gpu_decoding = on_device and device.type == "cuda"
         self.cuda_workers = gpu_decoding and self.num_workers > 0
         if gpu_share:  # a second set of workers, decoding each batch's GPU share on the device

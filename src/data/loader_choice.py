@@ -10,7 +10,7 @@ from src.config.errors import ConfigError
 from src.data.datasets import DataBundle
 from src.data.decode import EncodedImages
 from src.data.disk_loader import DiskLoader
-from src.data.loaders import ClassicLoader, DeviceLoader, resolve_workers
+from src.data.loaders import ClassicLoader, DeviceLoader, Recipe, resolve_workers
 
 
 def build_loader(
@@ -27,23 +27,26 @@ def build_loader(
     of this node (data.num_workers=auto shares its CPUs among them)."""
     choice = cfg.get("loader", "auto")
     pad_mode = cfg.get("pad_mode", "zeros")
+    trivial = cfg.get("auto_augment", "none") == "trivial"  # runs in CPU workers (src.data.augment.trivial_augment)
     if choice == "auto":
-        choice = "gpu" if data.in_memory and device.type == "cuda" else "classic"
+        choice = "gpu" if data.in_memory and device.type == "cuda" and not trivial else "classic"
     if choice == "gpu":
         if not data.in_memory:
             raise ConfigError(
                 "data.loader=gpu needs a dataset that fits in memory; use data.loader=classic "
                 "(data.decode=gpu decodes images read from disk on the GPU) or raise data.max_memory_gb"
             )
-        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode)
+        return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode, Recipe.of(cfg))
     if isinstance(data.train.files, EncodedImages):
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
         # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
-        decode_on_device = decode == "gpu" or (decode == "auto" and device.type == "cuda" and crop != "workers")
+        decode_on_device = decode == "gpu" or (
+            decode == "auto" and device.type == "cuda" and crop != "workers" and not trivial
+        )
         split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
         crop_on_device = decode_on_device or crop == "device" or split
         workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes, split)
         share = cfg.get("gpu_share", 0.5) if split else 0.0
         return DiskLoader(data, cfg, device, channels_last, seed, decode_on_device, crop_on_device, workers, share)
     workers = resolve_workers(cfg.get("num_workers", 0), device, data.in_memory, False, local_processes)
-    return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode)
+    return ClassicLoader(data, device, channels_last, workers, seed, cfg.get("cutout", 0), pad_mode, Recipe.of(cfg))

@@ -22,7 +22,18 @@ from typing import NamedTuple
 import torch
 
 from src.config.errors import ConfigError
-from src.data.augment import crop_flip, cutout, draw_params, epoch_generator, normalize, normalize_table
+from src.data.augment import (
+    crop_flip,
+    cutout,
+    draw_params,
+    epoch_generator,
+    erase_and_mix,
+    normalize,
+    normalize_table,
+    recipe_draws,
+    to_device,
+    trivial_augment,
+)
 from src.data.datasets import DataBundle, Split
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
@@ -66,14 +77,54 @@ class MicroBatch:
     y: torch.Tensor
     boundary: bool  # last micro-step of an optimizer step
     global_count: int  # samples in the optimizer step over all ranks
+    mix: tuple = ()  # mixup/cutmix: (each sample's other label, the weight of y); y is the dominant label
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Random erasing (its probability) and mixup/cutmix (timm's Mixup, per pair): applied per micro-batch on the
+    device; TrivialAugment (auto_augment=trivial): per image in the CPU workers."""
+
+    erasing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0
+    switch_prob: float = 0.5
+    trivial: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> Recipe:
+        keys = ("random_erasing", "mixup_alpha", "cutmix_alpha", "mix_prob", "mix_switch_prob")
+        defaults = {"mix_prob": 1.0, "mix_switch_prob": 0.5}
+        numbers = (float(cfg.get(k, defaults.get(k, 0.0))) for k in keys)
+        return cls(*numbers, trivial=cfg.get("auto_augment", "none") == "trivial")
+
+    @property
+    def mixing(self) -> tuple | None:
+        on = self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+        return (self.mixup_alpha, self.cutmix_alpha, self.mix_prob, self.switch_prob) if on else None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.erasing or self.mixing)
+
+    def draws(self, seed: int, epoch: int, ids: torch.Tensor, size) -> torch.Tensor:
+        return recipe_draws(seed, epoch, ids.numpy(), *size, self.erasing, self.mixing)
 
 
 class _Transform:
     """uint8 images -> normalized float batch, augmented with the epoch's draws; shared by both loaders."""
 
     def __init__(
-        self, data: DataBundle, channels_last: bool, device: torch.device, cutout: int = 0, pad_mode: str = "zeros"
+        self,
+        data: DataBundle,
+        channels_last: bool,
+        device: torch.device,
+        cutout: int = 0,
+        pad_mode: str = "zeros",
+        recipe: Recipe = Recipe(),
     ):
+        self.recipe = recipe
         self.mean = torch.tensor(data.mean, device=device)
         self.std = torch.tensor(data.std, device=device)
         self.table = normalize_table(data.mean, data.std).to(device)
@@ -102,9 +153,23 @@ class _Transform:
         x = normalize(images, self.mean, self.std, self.table)
         if params is not None and self.crop_flip and self.cutout:
             x = cutout(x, params[:, 3:5], self.cutout)
+        return self.layout(x)
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_last:  # spelled out: torch.compile drops contiguous(memory_format=channels_last)
             return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         return x.contiguous()
+
+    def recipe_draws(self, seed: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's erasing and mixing draws (CPU ids -> CPU tensor)."""
+        return self.recipe.draws(seed, epoch, ids, self.image_size)
+
+    def apply_recipe(self, x: torch.Tensor, y: torch.Tensor, draws: torch.Tensor | None) -> tuple:
+        """(x, y, mix) of a finished training micro-batch: erased and mixed where the recipe says."""
+        if draws is None:
+            return x, y, ()
+        x, y, mix = erase_and_mix(x, y, draws, mix=self.recipe.mixing is not None)
+        return self.layout(x), y, mix
 
     def __call__(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         return self.finish(self.augment(images, params), params)
@@ -143,19 +208,20 @@ class DeviceLoader:
         cutout: int = 0,
         compile: bool = False,
         pad_mode: str = "zeros",
+        recipe: Recipe = Recipe(),
     ):
         self.device, self.seed = device, seed
         self.splits = {
             k: (getattr(data, k).images.to(device), getattr(data, k).labels.to(device))
             for k in ("train", "val", "test")
         }
-        self.transform = _Transform(data, channels_last, device, cutout, pad_mode)
+        self.transform = _Transform(data, channels_last, device, cutout, pad_mode, recipe)
         # compiled: gather, crop, flip, normalize, cutout and layout become two kernels instead of ~15
         self._train_batch = torch.compile(self._augmented, dynamic=False) if compile else self._augmented
-        self._ready = None  # (epoch, number of steps, augmentation draws, sample ids) prepared ahead
+        self._ready = None  # (epoch, number of steps, augmentation draws, sample ids, recipe draws) prepared ahead
 
-    def _augmented(self, images, labels, params, ids):
-        return self.transform(images[ids], params[ids]), labels[ids]
+    def _augmented(self, images, labels, params, ids, recipe):
+        return self.transform.apply_recipe(self.transform(images[ids], params[ids]), labels[ids], recipe)
 
     def prepare(self, steps: list[Step], epoch: int, evals: Sequence = ()) -> None:
         """Draw an epoch's augmentation and copy its sample ids to the device now. The trainer calls this
@@ -163,21 +229,26 @@ class DeviceLoader:
         params = self.transform.draw(len(self.splits["train"][1]), self.seed, epoch).to(self.device)
         # one host-to-device copy per epoch: per-batch copies of pageable memory would stall the host
         ids = torch.cat([ids for step in steps for ids in step.micro]).to(self.device) if steps else None
-        self._ready = (epoch, len(steps), params, ids)
+        recipe = None
+        if steps and self.transform.recipe.on:  # drawn per micro-batch (its pairs), copied once
+            draws = [self.transform.recipe_draws(self.seed, epoch, ids) for step in steps for ids in step.micro]
+            recipe = torch.cat(draws).to(self.device)
+        self._ready = (epoch, len(steps), params, ids, recipe)
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         images, labels = self.splits["train"]
         if not (self._ready and self._ready[:2] == (epoch, len(steps))):  # (a resumed epoch has fewer steps)
             self.prepare(steps, epoch)
-        _, _, params, all_ids = self._ready
+        _, _, params, all_ids, all_recipe = self._ready
         self._ready = None
         offset = 0
         for step in steps:
             for k, ids in enumerate(step.micro):
-                on_device = all_ids[offset : offset + len(ids)]
+                part = slice(offset, offset + len(ids))
                 offset += len(ids)
-                x, y = self._train_batch(images, labels, params, on_device)
-                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
+                recipe = None if all_recipe is None else all_recipe[part]
+                x, y, mix = self._train_batch(images, labels, params, all_ids[part], recipe)
+                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count, mix)
 
     def close(self) -> None:
         self.splits = {}
@@ -216,7 +287,10 @@ class _MemoryBatches(torch.utils.data.Dataset):
     def __getitems__(self, request):
         epoch, ids = request[0], torch.from_numpy(request[1])
         params = self.draws(epoch, ids)
-        return _Batch(self.transform.augment(self.split.images[ids], params), self.split.labels[ids], params)
+        images = self.transform.augment(self.split.images[ids], params)
+        if epoch is not None and self.transform.recipe.trivial:
+            images = trivial_augment(images, self.draws.seed, epoch, ids)
+        return _Batch(images, self.split.labels[ids], params)
 
 
 class _FileBatches(torch.utils.data.Dataset):
@@ -301,10 +375,17 @@ class ClassicLoader:
         seed: int,
         cutout: int = 0,
         pad_mode: str = "zeros",
+        recipe: Recipe = Recipe(),
     ):
-        self.device = device
-        cpu = _Transform(data, channels_last=False, device=torch.device("cpu"), cutout=cutout, pad_mode=pad_mode)
-        self.transform = _Transform(data, channels_last, device, cutout, pad_mode)  # normalizes on the device
+        self.device, self.seed = device, seed
+        if recipe.trivial and not data.in_memory:  # a builder's own Dataset: its workers do not augment
+            raise ConfigError(
+                f"data.auto_augment=trivial runs in the workers of in-memory data, ImageFolders and shards, not in "
+                f"data={data.name!r}'s own on-disk Dataset; set data.auto_augment=none"
+            )
+        cpu = _Transform(data, False, torch.device("cpu"), cutout, pad_mode, recipe)
+        # normalizes, erases and mixes on the device
+        self.transform = _Transform(data, channels_last, device, cutout, pad_mode, recipe)
         self.datasets = {
             k: (_MemoryBatches(getattr(data, k), cpu, seed) if data.in_memory else _FileBatches(getattr(data, k)))
             for k in ("train", "val", "test")
@@ -417,10 +498,13 @@ class ClassicLoader:
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         batches = self._batches("train", epoch, _epoch_batches(steps))
+        on = self.transform.recipe.on
         for step in steps:
-            for k in range(len(step.micro)):
+            for k, ids in enumerate(step.micro):
                 x, y = next(batches)
-                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count)
+                draws = to_device(self.transform.recipe_draws(self.seed, epoch, ids), self.device) if on else None
+                x, y, mix = self.transform.apply_recipe(x, y, draws)
+                yield MicroBatch(x, y, k == len(step.micro) - 1, step.global_count, mix)
 
     def eval_batches(self, split: str, ids: torch.Tensor, batch_size: int) -> Iterator[tuple]:
         yield from self._batches(split, None, _eval_batches(ids, batch_size))

@@ -77,6 +77,13 @@ def plan_layout(
         f"devices_per_process={world}*{accumulate}*{per_process}; pick a multiple of "
         f"{world * accumulate * per_process}",
     )
+    micro = batch // (world * accumulate)
+    _expect(
+        not (cfg.data.get("mixup_alpha", 0) or cfg.data.get("cutmix_alpha", 0)) or micro % 2 == 0,
+        f"data.mixup_alpha/cutmix_alpha mix pairs of samples, so each process's micro-batch must be even, but "
+        f"data.batch_size={batch} / (world_size {world} x accumulate {accumulate}) = {micro}; pick a multiple of "
+        f"{2 * world * accumulate}",
+    )
     if cfg.trainer.amp and cfg.trainer.amp_dtype == "fp16":
         _expect(device_type == "cuda", "trainer.amp_dtype=fp16 needs a CUDA GPU; use trainer.amp_dtype=bf16 on CPU")
     return Layout(strategy.name, device_type, world, per_process, accumulate, batch)

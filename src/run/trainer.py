@@ -20,7 +20,7 @@ from src.config.layout import Layout
 from src.data.datasets import load_data
 from src.data.decode import EncodedImages
 from src.data.loader_choice import build_loader
-from src.data.loaders import eval_shard, plan_epoch
+from src.data.loaders import Recipe, eval_shard, plan_epoch
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
 from src.models import build_model, head_names, new_head_line
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
@@ -237,7 +237,8 @@ class Trainer:
         """The epoch's steps; the last plan is kept, as the next epoch's is made ahead for loader.prepare."""
         if self._last_plan and self._last_plan[0] == epoch:
             return self._last_plan[1]
-        # with torch.compile a short last batch would trigger a recompile: drop it
+        # with torch.compile a short last batch would trigger a recompile; mixing pairs need even micro-batches
+        drop_last = self.t.compile or Recipe.of(self.cfg.data).mixing is not None
         steps = plan_epoch(
             len(self.data.train),
             self.layout.global_batch,
@@ -246,7 +247,7 @@ class Trainer:
             self.layout.accumulate,
             self.cfg.seed,
             epoch,
-            drop_last=self.t.compile,
+            drop_last=drop_last,
         )
         limit = self.t.limit_train_batches
         self._last_plan = (epoch, steps[:limit] if limit else steps)
@@ -325,7 +326,11 @@ class Trainer:
                 with self.strategy.sync_context(micro.boundary), self.autocast():
                     # sum / (samples of the whole step), x world where the strategy averages over ranks
                     loss, metrics = self.loss_terms(
-                        self.model(micro.x), micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing
+                        self.model(micro.x),
+                        micro.y,
+                        self.rank_factor / micro.global_count,
+                        self.t.label_smoothing,
+                        *micro.mix,
                     )
                 self.scaler.scale(loss).backward()
                 meter.add(metrics, len(micro.y))

@@ -119,6 +119,17 @@ SHARDS = {
     **ON_DISK,
 }  # added with the on-disk keys (issue 16)
 BEFORE["shards"] = SHARDS
+# added with the batch recipes (issue 33 item 7), all off
+RECIPES = {
+    "auto_augment": "none",
+    "random_erasing": 0.0,
+    "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0,
+    "mix_prob": 1.0,
+    "mix_switch_prob": 0.5,
+}
+for option in BEFORE.values():
+    option.update(RECIPES)
 JPEG = {"root": "${paths.data_dir}/cifar10-jpeg", "batch_size": 512}
 BEFORE_EXPERIMENTS = {
     "cifar10_94": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 8, "loader": "gpu"},

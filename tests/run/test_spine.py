@@ -469,9 +469,25 @@ def test_bad_cli_input_is_one_line_before_anything_runs(tmp_path, override, mess
 def test_experiment_presets_compose_and_validate(tmp_path, name):
     from src.run.plan import check_types
 
+    root = ["data.root=/data/imagenet-shards256"] if name == "imagenet_resnet50_a3" else []  # its data.root: ???
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"experiment={name}", f"paths.root_dir={ROOT}"])
+        cfg = compose("train", overrides=[f"experiment={name}", f"paths.root_dir={ROOT}", *root])
     check_types(cfg)
+    if root:  # the recipes it is named for, where the workers can run TrivialAugment
+        d = cfg.data
+        assert (d.mixup_alpha, d.cutmix_alpha, d.mix_prob, d.auto_augment, d.decode, d.crop) == (
+            0.1,
+            1.0,
+            1.0,
+            "trivial",
+            "cpu",
+            "workers",
+        )
+        assert (cfg.trainer.max_epochs, d.batch_size, d.image_size, cfg.trainer.label_smoothing) == (100, 2048, 160, 0)
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            bare = compose("train", overrides=[f"experiment={name}", f"paths.root_dir={ROOT}"])
+        with pytest.raises(ConfigError, match=r"^data.root must be set for data=shards, e.g. data.root=...$"):
+            check_types(bare)
     if name == "cifar10_long":  # cifar10_94's recipe, changed only where its report says
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             base = compose("train", overrides=["experiment=cifar10_94", f"paths.root_dir={ROOT}"])

@@ -54,6 +54,20 @@ def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path
     assert metrics["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
 
 
+RECIPES = ("data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "data.mix_prob=0.8", "data.random_erasing=0.25")
+
+
+def test_two_ranks_with_mixup_cutmix_and_erasing_end_where_single_ends(cfg_factory, tmp_path):
+    """Every sample's erasing, pair and mixing weight is the single device's: the same weights and training figures,
+    over a whole epoch (its short last batch dropped: pairs need even micro-batches)."""
+    same = (*SAME_STEPS, "trainer.limit_train_batches=null", "trainer.label_smoothing=0.1", *RECIPES)
+    train(cfg_factory(*same, sub="single"))
+    launch(cfg_factory(*same, "strategy=ddp", "trainer.devices=2", sub="ddp"))
+    assert_same_weights(tmp_path / "single/run/checkpoints/last.pt", find(tmp_path / "ddp/run/checkpoints", "last"))
+    a, b = (read_metrics(tmp_path / f"{k}/run")["epochs"][0] for k in ("single", "ddp"))
+    assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5) and b["train_top1"] == a["train_top1"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA GPUs")
 def test_ddp_sync_bn_matches_single_with_batchnorm(single_reference, cfg_factory, tmp_path):
