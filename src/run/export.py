@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from src.config.errors import ConfigError
 from src.models import build_model
@@ -24,7 +25,8 @@ def rebuilt(state: dict) -> torch.nn.Module:
     """The checkpoint's model with its weights, on the CPU, built from its saved config and class count."""
     io = state.get("model_io") or _guessed_io(state)
     try:
-        model = build_model(state["config"]["model"], num_classes=io["num_classes"], in_channels=io["input_shape"][0])
+        arch = OmegaConf.create(state["config"]["model"])  # the architecture alone: the checkpoint has the weights
+        model = build_model(arch, num_classes=io["num_classes"], in_channels=io["input_shape"][0], start=False)
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError) as exc:
         raise ConfigError(
