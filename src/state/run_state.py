@@ -134,6 +134,7 @@ class Checkpoints:
             "strategy": self.strategy.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_io": self.model_io,
+            "ema_decay": self.strategy.ema.decay if self.strategy.ema else None,  # its weights: `ema` (strategies)
         }
         names = [name.removesuffix(".pt") for name in names]
         self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
