@@ -49,6 +49,15 @@ def test_decay_zero_is_the_weights_themselves_bit_for_bit():
     assert all(torch.equal(a, w) for a, w in zip(average, weights))
 
 
+def test_a_run_with_decay_zero_saves_an_average_equal_to_its_weights_and_one_without_saves_none(cfg_factory, tmp_path):
+    train(cfg_factory("trainer.ema.decay=0", sub="zero"))
+    train(cfg_factory(sub="off"))
+    zero, off = (torch.load(tmp_path / f"{s}/run/checkpoints/last.pt", weights_only=True) for s in ("zero", "off"))
+    assert zero["ema_decay"] == 0 and all(torch.equal(v, zero["model"][k]) for k, v in zero["ema"].items())
+    assert "ema" not in off and off["ema_decay"] is None
+    assert read_metrics(tmp_path / "off/run")["hparams"]["ema_decay"] is None
+
+
 # SAME_STEPS of tests/strategies/test_strategies.py over two epochs: 8 optimizer steps of a 64-sample global batch
 SAME_STEPS = ("model.batch_norm=false", "scheduler=constant", "trainer.limit_train_batches=4", "data.batch_size=64")
 AVERAGED = (*SAME_STEPS, "trainer.max_epochs=2", "trainer.ema.decay=0.5", "trainer.ema.every_n_steps=3", *EXACT)
