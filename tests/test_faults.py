@@ -272,6 +272,10 @@ BAD_VALUES = [
     ("trainer.save_top_k=0", "trainer.save_top_k must be a positive integer or null, got 0"),
     ("trainer.save_top_k=-1", "trainer.save_top_k must be a positive integer or null, got -1"),
     ("trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps must be a positive integer or null"),
+    # the weights' moving average
+    ("trainer.ema.decay=1", "trainer.ema.decay must be a number >= 0 and < 1 or null, got 1"),
+    ("trainer.ema.decay=-0.1", "trainer.ema.decay must be a number >= 0 and < 1 or null, got -0.1"),
+    ("trainer.ema.every_n_steps=0", "trainer.ema.every_n_steps must be a positive integer, got 0"),
 ]
 
 

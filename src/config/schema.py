@@ -187,6 +187,14 @@ class EarlyStopping:
 
 
 @dataclass
+class Ema:
+    """An exponential moving average of the weights, evaluated and checkpointed beside them (src/strategies/ema.py)."""
+
+    decay: Annotated[float, Fraction] | None  # per update; null: off
+    every_n_steps: Annotated[int, Positive]
+
+
+@dataclass
 class Trainer:
     max_epochs: Annotated[int, Positive]
     devices: Literal["auto"] | Annotated[int, Positive]
@@ -213,6 +221,7 @@ class Trainer:
     threads: Literal["auto"] | Annotated[int, Positive]
     activation_checkpointing: bool
     early_stopping: EarlyStopping
+    ema: Ema
     save_top_k: Annotated[int, Positive] | None
     checkpoint_every_n_steps: Annotated[int, Positive] | None
 

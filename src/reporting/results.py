@@ -78,6 +78,7 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) ->
         "compile": t.compile,
         "channels_last": t.channels_last,
         "threads": torch.get_num_threads(),
+        "ema_decay": t.ema.decay,  # not null: the evaluated figures are of the weights' moving average
     }
 
 

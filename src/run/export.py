@@ -27,9 +27,9 @@ def rebuilt(state: dict) -> torch.nn.Module:
     """The checkpoint's model with its weights, on the CPU, built from its saved config and class count."""
     io = state.get("model_io") or _guessed_io(state)
     try:
-        arch = OmegaConf.create(state["config"]["model"])  # the architecture alone: the weights come next
+        arch = OmegaConf.create(state["config"]["model"])  # the architecture alone: the checkpoint has the weights
         model = build_model(arch, num_classes=io["num_classes"], in_channels=io["input_shape"][0], start=False)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state.get("ema") or state["model"])  # the evaluated weights: the average if any
     except (KeyError, RuntimeError) as exc:
         raise ConfigError(
             f"cannot rebuild the checkpoint's model from its config ({str(exc).splitlines()[0]})"
@@ -79,7 +79,7 @@ def export(path: Path, out: Path, fmt: str, side: int | None = None) -> float:
             weights = {k: v.contiguous() for k, v in model.state_dict().items()}
             save_file(weights, str(tmp), {"config": json.dumps(state["config"])})
             with torch.no_grad():
-                got = rebuilt({**state, "model": load_file(str(tmp))})(x)
+                got = rebuilt({**state, "model": load_file(str(tmp)), "ema": None})(x)
         else:
             got = _onnx(model, x, tmp)
         diff = (got - expected).abs().max().item()

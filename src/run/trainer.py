@@ -34,6 +34,7 @@ from src.run.predict import gather_in_rank_order, predict, write
 from src.state.run_state import Checkpoints, Monitor, Progress
 from src.state.signals import StopRequest
 from src.strategies import Context, apply_activation_checkpointing, build_strategy
+from src.strategies.ema import EMA
 
 log = logging.getLogger("ddplab")
 
@@ -160,6 +161,8 @@ class Trainer:
             model,
             Context(self.device, t.amp, self.amp_dtype, self.layout.devices_per_process, t.compile, t.compile_mode),
         )
+        if cfg.train and t.ema.decay is not None:  # after wrap: under fsdp the average holds local shards
+            self.strategy.ema = EMA(self.strategy.core, t.ema.decay, t.ema.every_n_steps)
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
         # every strategy and accumulation gets the gradient of the mean loss over the global batch
         self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
@@ -267,16 +270,19 @@ class Trainer:
         return [split for split in splits if len(getattr(self.data, split))]
 
     def evaluate(self, split: str) -> dict:
+        """`split`'s figures, of the EMA weights while training keeps an average (trainer.ema)."""
         batches = self.loader.eval_batches(split, self.eval_ids(split), self.cfg.data.eval_batch_size)
+        ema = self.strategy.ema
         try:
-            return evaluate(
-                self.strategy.eval_module(),
-                batches,
-                self.device,
-                self.autocast,
-                flip_tta=self.t.flip_tta,
-                tta_shift=self.t.tta_shift,
-            )
+            with ema.swapped() if ema else contextlib.nullcontext():
+                return evaluate(
+                    self.strategy.eval_module(),
+                    batches,
+                    self.device,
+                    self.autocast,
+                    flip_tta=self.t.flip_tta,
+                    tta_shift=self.t.tta_shift,
+                )
         except torch.OutOfMemoryError as exc:
             raise OutOfMemory(self.out_of_memory(exc, training=False)) from None
 
@@ -341,6 +347,8 @@ class Trainer:
                 global_step, lr = epoch * self.steps_per_epoch + step, self.optimizer.param_groups[0]["lr"]
                 logging = self.step_log.due(global_step)
                 grad_norm = self.optimizer_step(norm=logging)
+                if self.strategy.ema:
+                    self.strategy.ema.update(global_step)
                 if logging:  # every rank: the figures are reduced over them
                     row = {**self.step_log.read(grad_norm), "lr": lr, "epoch": epoch + step / len(steps)}
                     if self.primary:
@@ -469,6 +477,13 @@ class Trainer:
                 lay.accumulate,
                 self.steps_per_epoch,
             )
+            if self.strategy.ema:
+                log.info(
+                    "trainer.ema: val/test figures, best.pt and the final figures are of the weights' moving "
+                    "average (decay %g every %d steps)",
+                    self.t.ema.decay,
+                    self.t.ema.every_n_steps,
+                )
         if self.cfg.train:
             path = self.checkpoints.resume_path()
             if path is not None:
@@ -482,7 +497,8 @@ class Trainer:
             in_sync = self.strategy.replicas_agree(self.device)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-            self.checkpoints.load_weights(self.checkpoints.final_weights())
+            self.strategy.ema = None  # the final weights are the checkpoint's average itself, where it has one
+            self.checkpoints.load_weights(self.checkpoints.final_weights(self.progress.best_epoch))
             status = "completed"
         else:
             if not self.cfg.ckpt_path:

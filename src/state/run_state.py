@@ -134,6 +134,7 @@ class Checkpoints:
             "strategy": self.strategy.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_io": self.model_io,
+            "ema_decay": self.strategy.ema.decay if self.strategy.ema else None,  # its weights: `ema` (strategies)
         }
         names = [name.removesuffix(".pt") for name in names]
         self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
@@ -166,10 +167,28 @@ class Checkpoints:
             state["history"],
         )
 
-    def final_weights(self) -> Path:
-        """The best epoch's weights; a run resumed from another dir's checkpoint with no epoch left to train
-        has none of its own: that run's best, else the checkpoint it resumed from."""
-        own = ckpt.find(self.dir, "best") or ckpt.find(self.dir, "last")
-        if own is None and self.resumed_from is not None:
-            return ckpt.find(self.resumed_from.parent, "best") or self.resumed_from
-        return own or self.dir / "last.pt"
+    def final_weights(self, best_epoch: int) -> Path:
+        """The best epoch's weights: this run's best.pt; for a run resumed from another dir's checkpoint whose best
+        epoch came before the resume, the checkpoint it resumed from or that dir's best, whichever holds it."""
+        own = ckpt.find(self.dir, "best")
+        if own is not None or self.resumed_from is None:
+            return own or ckpt.find(self.dir, "last") or self.dir / "last.pt"
+        for candidate in (self.resumed_from, ckpt.find(self.resumed_from.parent, "best")):
+            if candidate is not None and _holds_epoch(candidate, best_epoch):
+                return candidate
+        last = ckpt.find(self.dir, "last") or self.resumed_from
+        if self.primary:
+            log.warning(
+                "epoch %d's weights (the best) are neither in %s nor beside %s: the final figures are of %s",
+                best_epoch,
+                self.dir,
+                self.resumed_from,
+                last,
+            )
+        return last
+
+
+def _holds_epoch(path: Path, epoch: int) -> bool:
+    """Whether checkpoint `path` was saved at the end of `epoch`."""
+    state = ckpt.load(path)
+    return state.get("epoch") == epoch and not state.get("step")

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from src.config.errors import ConfigError
 from src.state import checkpoint as ckpt
 from src.strategies.blocks import shard_targets
+from src.strategies.ema import EMA
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Strategy:
     channels_last_weights: ClassVar[bool] = True  # weights may be converted to channels_last
     cudnn_benchmark: ClassVar[bool] = True
     averages_gradients: ClassVar[bool] = False  # the sync divides by the world size (DDP's reducer, FSDP)
+    ema: ClassVar[EMA | None] = None  # trainer.ema: set by the trainer after wrap; saved and resumed with the model
 
     # --- before any process starts -------------------------------------------------------------
     def check(self, cfg, device_type: str) -> None:
@@ -143,9 +145,17 @@ class Strategy:
     def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
         """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
         Here the full state is gathered and rank 0 writes `<name>.pt` (src/state/checkpoint.py)."""
+        average = {"ema": self.ema_state(full=True)} if self.ema else {}
         model_state, optim_state = self.state_dict(optimizer)
         if primary:
-            ckpt.save_full({"model": model_state, "optimizer": optim_state, **state}, directory, names)
+            ckpt.save_full({"model": model_state, "optimizer": optim_state, **average, **state}, directory, names)
+
+    def ema_state(self, full: bool) -> dict:
+        """The EMA as a state dict keyed as the model's (`full`: gathered to rank 0's CPU, else this rank's
+        shards); collective under fsdp. The model holds the average while torch's helper reads it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
+        with self.ema.swapped():  # copies: the helper may return the model's own tensors
+            return {k: v.clone() for k, v in get_model_state_dict(self.core, options=options).items()}
 
     def load_checkpoint(self, path, optimizer=None, head: set[str] = frozenset()) -> dict:
         """Load a checkpoint of either format into the model (and `optimizer`); return the rest of its state.
@@ -165,21 +175,37 @@ class Strategy:
             advice,
         )
         state["new_head"] = new
+        # a checkpoint's weights to evaluate, export or start from are its average (`ema`) when it has one; a
+        # resumed run takes its raw weights (`model`) and, if it keeps an average too, the saved one
+        averaged = state.get("ema_decay") is not None
+        weights = "ema" if averaged and optimizer is None else "model"
+        resumed_average = averaged and optimizer is not None and self.ema is not None
         if not path.is_dir():
-            model_state = {k: v for k, v in state["model"].items() if k not in new}
+            model_state = {k: v for k, v in state[weights].items() if k not in new}
             self.load_state_dict(model_state, optimizer, state["optimizer"] if optimizer is not None else None, not new)
-            return state
+            if resumed_average:
+                with self.ema.swapped():  # loaded into the model's place, then swapped out into the average
+                    self.load_state_dict(state["ema"])
+        else:
+            self._load_sharded(path, optimizer, new, weights, resumed_average)
+        if self.ema is not None and not resumed_average:  # the average starts from the weights loaded
+            self.ema.capture()
+        return state
+
+    def _load_sharded(self, path: Path, optimizer, new: list[str], weights: str, resumed_average: bool) -> None:
         if optimizer is None:
-            tensors = {"model": get_model_state_dict(self.core)}
+            tensors = {weights: get_model_state_dict(self.core)}
         else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
             tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
-        tensors["model"] = {k: v for k, v in tensors["model"].items() if k not in new}  # DCP reads only these
+        if resumed_average:  # copies to load into: the model's own tensors are the raw weights' destination
+            tensors["ema"] = {k: v.clone() for k, v in get_model_state_dict(self.core).items()}
+        tensors[weights] = {k: v for k, v in tensors[weights].items() if k not in new}  # DCP reads only these
         with warnings.catch_warnings():  # one process (no process group) reading it is intended
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             ckpt.dcp_load(tensors, path)
         options = StateDictOptions(strict=not new)
         if optimizer is None:
-            set_model_state_dict(self.core, tensors["model"], options=options)
+            set_model_state_dict(self.core, tensors[weights], options=options)
         else:
             set_state_dict(
                 self.core,
@@ -188,7 +214,9 @@ class Strategy:
                 optim_state_dict=tensors["optimizer"],
                 options=options,
             )
-        return state
+        if resumed_average:  # after the raw weights: `tensors["model"]` are the model's own tensors
+            with self.ema.swapped():
+                set_model_state_dict(self.core, tensors["ema"])
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The model's blocks, each recomputed as one by activation checkpointing (FSDP: its shard units)."""

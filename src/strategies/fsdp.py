@@ -138,8 +138,10 @@ class FSDP(_Distributed):
         if self.checkpoint_format == "full":
             return super().save_checkpoint(directory, names, optimizer, state, primary)
         self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
+        average = {"ema": self.ema_state(full=False)} if self.ema else {}  # sharded like the model
         model_state, optim_state = get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
-        ckpt.save_sharded({"model": model_state, "optimizer": optim_state}, state, directory, names, primary)
+        tensors = {"model": model_state, "optimizer": optim_state, **average}
+        ckpt.save_sharded(tensors, state, directory, names, primary)
 
 
 class _Eager(nn.Module):

@@ -383,7 +383,7 @@ def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straig
     for key in ("test_loss", "test_top1", "test_top5", "val_loss"):
         assert evaluated[key] == pytest.approx(final[key], rel=1e-6), key
     out = tmp_path / "best.pt"
-    proc = run_cli("export", str(best), str(out), command=[sys.executable, "-m", "src.state.checkpoint"], timeout=120)
+    proc = run_cli(str(best), str(out), command=[sys.executable, "-m", "src.run.export"], timeout=120)
     assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
     exported = torch.load(out, weights_only=True)
     # the same tensors as single reads from the shards through DCP
