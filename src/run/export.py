@@ -23,9 +23,14 @@ FORMATS = ("pt", "safetensors", "onnx")
 KNOWN_SIDES = {"digits": 8, "cifar10": 32, "cifar100": 32}  # datasets whose images have one size
 
 
-def rebuilt(state: dict) -> torch.nn.Module:
-    """The checkpoint's model with its weights, on the CPU, built from its saved config and class count."""
-    io = state.get("model_io") or _guessed_io(state)
+def model_io(state: dict) -> dict:
+    """The model's class count and input shape: recorded in the checkpoint, or guessed for older ones."""
+    return state.get("model_io") or _guessed_io(state)
+
+
+def rebuilt(state: dict, io: dict) -> torch.nn.Module:
+    """The checkpoint's model with its evaluated weights (the average, if any), on the CPU, built from its saved
+    config and `io`."""
     try:
         arch = OmegaConf.create(state["config"]["model"])  # the architecture alone: the checkpoint has the weights
         model = build_model(arch, num_classes=io["num_classes"], in_channels=io["input_shape"][0], start=False)
@@ -49,8 +54,8 @@ def _guessed_io(state: dict) -> dict:
     return {"num_classes": matrices[-1].shape[0], "input_shape": data.get("shape") or [channels, side, side]}
 
 
-def input_shape(state: dict, side: int | None) -> tuple[int, ...]:
-    channels, *size = (state.get("model_io") or _guessed_io(state))["input_shape"]
+def input_shape(state: dict, io: dict, side: int | None) -> tuple[int, ...]:
+    channels, *size = io["input_shape"]
     if side:
         size = [side, side]
     if not all(size):
@@ -66,8 +71,9 @@ def export(path: Path, out: Path, fmt: str, side: int | None = None) -> float:
         export_pt(path, out)
         return 0.0
     state = load_full(path)
-    model = rebuilt(state)
-    x = torch.rand(input_shape(state, side), generator=torch.Generator().manual_seed(0))
+    io = model_io(state)
+    model = rebuilt(state, io)
+    x = torch.rand(input_shape(state, io, side), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(x)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +85,7 @@ def export(path: Path, out: Path, fmt: str, side: int | None = None) -> float:
             weights = {k: v.contiguous() for k, v in model.state_dict().items()}
             save_file(weights, str(tmp), {"config": json.dumps(state["config"])})
             with torch.no_grad():
-                got = rebuilt({**state, "model": load_file(str(tmp)), "ema": None})(x)
+                got = rebuilt({**state, "model": load_file(str(tmp)), "ema": None}, io)(x)
         else:
             got = _onnx(model, x, tmp)
         diff = (got - expected).abs().max().item()

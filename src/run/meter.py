@@ -119,7 +119,12 @@ class StepLog:
         """At the start of an epoch (or its resumed part): the last epoch's unlogged steps are carried over."""
         if self.meter is not None:
             self.carried += self._since()
-        self.meter, self.loss, self.samples = meter, meter.totals[0].clone(), meter.samples
+        self.meter = meter
+        self._mark()
+
+    def _mark(self) -> None:
+        """The current meter's sums: where the next log's figures start."""
+        self.loss, self.samples = self.meter.totals[0].clone(), self.meter.samples
 
     def read(self, grad_norm: torch.Tensor | None) -> dict:
         """Collective: the figures since the last log, the same on every rank."""
@@ -129,5 +134,6 @@ class StepLog:
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         self.carried.zero_()
-        self.loss, self.samples, self.time = self.meter.totals[0].clone(), self.meter.samples, now
+        self._mark()
+        self.time = now
         return row
