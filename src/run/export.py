@@ -131,9 +131,14 @@ def main(argv: list[str]) -> int:
     try:
         if fmt not in FORMATS:
             raise ConfigError(f"cannot tell the format of {out}: name it .pt, .safetensors or .onnx, or pass --format")
+        if out.is_dir():
+            raise ConfigError(f"{out} is a folder: name the file to write")
         diff = export(Path(args.checkpoint), out, fmt, args.input_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a folder that cannot be made or written
+        print(f"error: cannot write {out} ({exc.strerror}); pick a writable place", file=sys.stderr)
         return 2
     checked = "" if fmt == "pt" else f" (read back: logits within {diff:.1e} of the checkpoint's)"
     print(f"wrote {out}{checked}")

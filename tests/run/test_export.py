@@ -77,6 +77,11 @@ def test_an_unknown_format_or_input_size_is_one_line(runs, tmp_path):
         and proc.stderr.startswith("error: cannot tell the format of")
         and not list(tmp_path.iterdir())
     )
+    folder = tmp_path / "a folder.onnx"
+    folder.mkdir()
+    proc = _export(runs["single"], folder)  # was: IsADirectoryError's traceback
+    assert proc.returncode == 2 and proc.stderr == f"error: {folder} is a folder: name the file to write\n"
+    folder.rmdir()
     state = torch.load(runs["single"], weights_only=True)
     del state["config"]["data"]["shape"], state["model_io"]  # as a checkpoint of an older version
     state["config"]["data"]["name"] = "mine"
