@@ -232,6 +232,9 @@ class Reporter:
         result = run_dir / ("metrics.json" if cfg.train else "eval.json")
         if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
             raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")
+        predictions = run_dir / "predictions"
+        if cfg.get("predict") and predictions.exists() and not predictions.is_dir():
+            raise ConfigError(f"{predictions} is in the way (not a folder); remove it or use another run directory")
         try:  # an evaluation writes eval.json only: no logger files beside the training run's
             self.loggers = build_loggers(cfg, run_dir) if cfg.train else Logger()
         except OSError as exc:

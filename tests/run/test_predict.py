@@ -59,3 +59,13 @@ def test_predictions_agree_with_the_evaluation_and_across_strategies(trained, tm
 def test_predict_without_an_evaluation_is_one_line(tmp_path):
     proc = run_cli("debug=fast", "predict=true", f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2 and "predict=true writes an evaluation's predictions: add train=false" in proc.stderr
+
+
+def test_a_file_in_the_way_of_the_predictions_is_one_line(trained, tmp_path):
+    (tmp_path / "predictions").write_text("mine")
+    proc = run_cli(
+        "train=false", "predict=true", f"ckpt_path={trained}/checkpoints/best.pt", f"hydra.run.dir={tmp_path}"
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]  # was: FileExistsError
+    assert f"error: {tmp_path / 'predictions'} is in the way (not a folder)" in proc.stderr
+    assert (tmp_path / "predictions").read_text() == "mine"
