@@ -12,8 +12,7 @@ help:  ## list the targets
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	bash .ci/install.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed  ## create/reuse .venv and install requirements.txt
