@@ -95,7 +95,7 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
         assert len(r["epoch_sec"]) == 2 and r["hparams"]["world_size"] == r["gpus"]
         assert r["hparams"]["loader"] == ("gpu" if name.endswith("-gpu") else "classic")
         assert r["hparams"]["per_device_batch"] == 64
-        assert r["tflops_per_gpu"] > 0 and "peak_mem_gb" not in r and "mfu" not in r  # CPU: no GPU memory or peak
+        assert not {"tflops_per_gpu", "peak_mem_gb", "mfu"} & set(r)  # CPU: no per-GPU figures
     assert runs["ceiling-fp32"]["precision"] == "fp32" and len(runs["ceiling-fp32"]["window_sec"]) >= 2
     assert "--smoke" in report["command"] and report["torch_version"]
     check_ratios(report)

@@ -29,9 +29,8 @@ def test_strategy_trains_on_gpu(cfg_factory, strategy):
     devices = [] if strategy == "single" else ["trainer.devices=2"]
     metrics = launch(cfg_factory(*GPU, f"strategy={strategy}", *devices))
     assert metrics["test_count"] == 512 and metrics["params_in_sync"] is True
-    assert (
-        0 <= metrics["gpu_data_wait_fraction"] < 1
-    )  # the GPU's data wait, from CUDA events (tests/reporting/test_meter.py)
+    assert 0 <= metrics["gpu_data_wait_fraction"] < 1  # from CUDA events (tests/reporting/test_meter.py)
+    assert metrics["tflops_per_gpu"] > 0 and 0 < metrics.get("mfu", 0.5) < 1  # MFU where the GPU's peak is known
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

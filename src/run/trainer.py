@@ -225,14 +225,14 @@ class Trainer:
             ) from None
 
     def efficiency(self, images_per_sec: float) -> dict:
-        """Peak memory (max over ranks) and achieved TFLOP/s and MFU per device (collective)."""
+        """Peak memory (max over ranks); on GPUs the achieved TFLOP/s and MFU per GPU (collective)."""
         out = {k: reduce_max(v, self.device) for k, v in memory_stats(self.device).items()}
-        devices = self.layout.world_size * self.layout.devices_per_process
-        per_device = self.flops_per_image * images_per_sec / devices
+        if self.device.type != "cuda":  # a CPU "device" is a share of the host's cores: no per-GPU rate to compare
+            return out
+        per_device = self.flops_per_image * images_per_sec / (self.layout.world_size * self.layout.devices_per_process)
         out["tflops_per_gpu"] = per_device / 1e12
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        peak = peak_flops(name, self.amp_dtype if self.t.amp else torch.float32)
-        if peak:  # known GPUs only: there is no honest peak for a CPU
+        peak = peak_flops(torch.cuda.get_device_name(self.device), self.amp_dtype if self.t.amp else torch.float32)
+        if peak:  # known GPUs only
             out["mfu"] = per_device / peak
         return out
 
