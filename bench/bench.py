@@ -76,6 +76,7 @@ def model_of(args, mode) -> tuple[str, list[str], str, dict]:
 
 # --decode value: (run-name tag, data overrides)
 DECODES = {
+    "auto": ("auto", []),  # the default: what data.decode=auto picks for this host
     "gpu": ("gpudecode", ["data.decode=gpu"]),
     "cpu": ("classic", ["data.decode=cpu"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
@@ -649,7 +650,7 @@ def main() -> int:
     )
     p.add_argument(
         "--decode",
-        help="compare images read from disk instead: gpu, cpu (the workers crop too), cpudecode (the workers only "
+        help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the workers crop too), cpudecode (the workers only "
         "decode and cut the crops' regions, the GPU resizes them) and/or split (CPU workers and GPU-decoding "
         "workers share each batch: --override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or "
         "--shards; adds loader-* runs: the loader alone)",

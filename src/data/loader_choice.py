@@ -4,13 +4,25 @@ images read from disk)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from src.config.errors import ConfigError
 from src.data.datasets import DataBundle
 from src.data.decode import EncodedImages
+from src.data.decode_choice import auto_decode
 from src.data.disk_loader import DiskLoader
-from src.data.loaders import ClassicLoader, DeviceLoader, Recipe, resolve_workers
+from src.data.loaders import (
+    AUTO_CPU_WORKERS,
+    ClassicLoader,
+    DeviceLoader,
+    Recipe,
+    cpus_of_this_process,
+    resolve_workers,
+)
+
+log = logging.getLogger("ddplab")
 
 
 def build_loader(
@@ -39,10 +51,14 @@ def build_loader(
         return DeviceLoader(data, device, channels_last, seed, cfg.get("cutout", 0), compile, pad_mode, Recipe.of(cfg))
     if isinstance(data.train.files, EncodedImages):
         decode, crop = cfg.get("decode", "auto"), cfg.get("crop", "auto")
-        # auto: gpu on CUDA, unless the workers are asked to crop (then they decode too)
-        decode_on_device = decode == "gpu" or (
-            decode == "auto" and device.type == "cuda" and crop != "workers" and not trivial
-        )
+        if decode == "auto":
+            workers = cfg.get("num_workers", 0)
+            if workers == "auto":
+                workers = max(0, min(cpus_of_this_process(local_processes) - 1, AUTO_CPU_WORKERS))
+            cpu_only = "data.auto_augment=trivial" if trivial else "data.crop=workers" if crop == "workers" else None
+            decode, why = auto_decode(device.type, workers, cpu_only)
+            log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
+        decode_on_device = decode == "gpu"
         split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
         crop_on_device = decode_on_device or crop == "device" or split
         workers = resolve_workers(cfg.get("num_workers", 0), device, False, decode_on_device, local_processes, split)

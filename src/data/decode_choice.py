@@ -1,0 +1,24 @@
+"""data.decode=auto: where the training images read from disk are decoded, chosen from this host's CPUs per GPU.
+
+On a GPU the model and nvjpeg share one device: GPU decoding (whole or split) held ResNet-50 near 0.6x its compute
+ceiling on H100 and H200, while CPU workers fed it at 0.95-0.97x from 8 per GPU on and lost to split below 6
+(bench/results/decode-default_*.md has the measurements behind MIN_CPU_WORKERS).
+"""
+
+from __future__ import annotations
+
+MIN_CPU_WORKERS = 6  # CPU workers per GPU from which CPU decoding outruns decoding on the GPU
+
+
+def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None) -> tuple[str, str]:
+    """(data.decode, the reason in a few words). cpu_workers: the DataLoader workers this process gets when they
+    decode; cpu_only: an option that needs the CPU workers to decode (its name), if any."""
+    if device_type != "cuda":
+        return "cpu", "no GPU"
+    if cpu_only:
+        return "cpu", f"{cpu_only} runs in the CPU workers"
+    if cpu_workers == 0:
+        return "gpu", "no CPU workers (data.num_workers=0)"
+    if cpu_workers >= MIN_CPU_WORKERS:
+        return "cpu", f"{cpu_workers} CPU workers per GPU decode faster than the GPU beside the model"
+    return "split", f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS}): the GPU decodes a share too"
