@@ -650,10 +650,10 @@ def main() -> int:
     )
     p.add_argument(
         "--decode",
-        help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the workers crop too), cpudecode (the workers only "
-        "decode and cut the crops' regions, the GPU resizes them) and/or split (CPU workers and GPU-decoding "
-        "workers share each batch: --override data.gpu_share=...), e.g. gpu,cpu (with --data-root and/or "
-        "--shards; adds loader-* runs: the loader alone)",
+        help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the "
+        "workers crop too), cpudecode (the workers only decode and cut the crops' regions, the GPU resizes them) "
+        "and/or split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...), "
+        "e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")

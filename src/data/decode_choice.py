@@ -1,8 +1,7 @@
 """data.decode=auto: where the training images read from disk are decoded, chosen from this host's CPUs per GPU.
 
-On a GPU the model and nvjpeg share one device: GPU decoding (whole or split) held ResNet-50 near 0.6x its compute
-ceiling on H100 and H200, while CPU workers fed it at 0.95-0.97x from 8 per GPU on and lost to split below 6
-(bench/results/decode-default_*.md has the measurements behind MIN_CPU_WORKERS).
+On a GPU the model and nvjpeg share one device: GPU decoding held ResNet-50 near 0.7x its compute ceiling, while
+15 CPU workers per GPU fed it at 0.97x and 4 at 0.45x (bench/results/decode-default_4xh200_2026-11-28.md).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None)
         return "cpu", "no GPU"
     if cpu_only:
         return "cpu", f"{cpu_only} runs in the CPU workers"
-    if cpu_workers == 0:
-        return "gpu", "no CPU workers (data.num_workers=0)"
     if cpu_workers >= MIN_CPU_WORKERS:
         return "cpu", f"{cpu_workers} CPU workers per GPU decode faster than the GPU beside the model"
-    return "split", f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS}): the GPU decodes a share too"
+    return "gpu", f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS}) decode slower than the GPU"

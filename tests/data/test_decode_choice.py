@@ -13,8 +13,7 @@ from src.data.decode_choice import MIN_CPU_WORKERS, auto_decode
         ("cpu", 0, None, "cpu"),  # no GPU to decode on
         ("cuda", 15, None, "cpu"),  # a 64-CPU host with 4 GPUs
         ("cuda", MIN_CPU_WORKERS, None, "cpu"),
-        ("cuda", MIN_CPU_WORKERS - 1, None, "split"),  # too few CPUs per GPU: the GPU decodes a share
-        ("cuda", 1, None, "split"),
+        ("cuda", MIN_CPU_WORKERS - 1, None, "gpu"),  # too few CPUs per GPU
         ("cuda", 0, None, "gpu"),  # data.num_workers=0: nothing else decodes off the training process
         ("cuda", 2, "data.auto_augment=trivial", "cpu"),  # runs in the workers after their crops
         ("cuda", 0, "data.crop=workers", "cpu"),
