@@ -26,13 +26,14 @@ def predict(model, batches, ids: torch.Tensor, autocast, flip_tta: bool = False,
     return torch.cat([ids[: len(rows), None].double(), rows], dim=1)
 
 
-def gather_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows, rank 0's first: the order of the split (each rank evaluates a contiguous shard)."""
+def gather_in_rank_order(rows: torch.Tensor) -> torch.Tensor | None:
+    """On rank 0, which writes them, every rank's rows, rank 0's first: the order of the split (each rank evaluates
+    a contiguous shard); None on the other ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return rows
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, rows)  # the ranks' own tensors, never a user's file
-    return torch.cat(parts)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rows, parts, dst=0)  # the ranks' own tensors, never a user's file
+    return torch.cat(parts) if parts is not None else None
 
 
 def write(out: Path, split: str, rows: torch.Tensor, classes: list[str], names=None) -> dict:
