@@ -21,10 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.config.errors import ConfigError
-from src.config.schema import check_starting_point
 from src.distributed import rank_env
 from src.models import preflight as model_preflight
-from src.run.plan import plan_layout
+from src.run.plan import check_starting_point, plan_layout
 from src.run.trainer import train
 from src.state.resume import already_completed, reconcile
 from src.state.runlock import RunLock, hold_as_rank
