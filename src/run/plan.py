@@ -4,7 +4,8 @@ The launching process runs this before any rank starts, so a bad input costs one
 outputs. Each group's options are declared once, beside the code that reads them: the groups in `DECLARED`,
 `Top` here, `ModelStart` (src/models.py), the signature of each `_target_` (model, scheduler, strategy, logger),
 and the cluster and data groups' own checks. `check_types` collects them all, then checks how options fit
-together; `plan_layout` checks them against the machine and sizes the run.
+together; `plan_layout` checks them against the machine and makes the `RunPlan` (the layout and the strategy
+object) that the rest of its process is handed. A rank started as a process of its own plans once there.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from src.config.errors import ConfigError
 from src.config.layout import Layout, resolve_device_type
 from src.config.schema import Range, check_section, check_value, declared, refuse_lookalikes, target_of
 from src.data.datasets import check_data_config
+from src.distributed import RankEnv
 from src.models import ModelStart
 from src.run.cluster import check_keys
 from src.run.optim import Optim
 from src.run.trainer_options import TrainerOptions
 from src.state.run_state import Objective
+from src.strategies import Strategy, build_strategy
 
-__all__ = ["check_starting_point", "check_types", "plan_layout"]
+__all__ = ["RunPlan", "check_starting_point", "check_types", "plan_layout"]
 
 
 @dataclass
@@ -42,6 +45,14 @@ class Top:
 GROUPS = ("paths", "data", "model", "optim", "scheduler", "strategy", "trainer", "cluster", "logger", "objective")
 # the groups without a _target_ of their own, and their declarations
 DECLARED = {"trainer": TrainerOptions, "objective": Objective, "optim": Optim}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a process plans once and hands down: how the work is spread, and the strategy that spreads it."""
+
+    layout: Layout
+    strategy: Strategy
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -130,21 +141,16 @@ def _available_devices(device_type: str) -> int:
     return torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
 
 
-def plan_layout(
-    cfg: DictConfig, launched_world_size: int | None = None, launched_local_size: int | None = None
-) -> Layout:
-    """Validate the config against the machine (or the launcher that started us) and size the run.
-
-    launched_world_size: the world size of an external launcher (torchrun, SLURM), if any.
-    """
-    from src.strategies import build_strategy
-
+def plan_layout(cfg: DictConfig, env: RankEnv | None = None) -> RunPlan:
+    """Validate the config against the machine (or, per `env`, the launcher that started this rank: torchrun,
+    SLURM), size the run and make its strategy."""
     check_types(cfg)
     strategy = build_strategy(cfg.strategy)
     device_type = resolve_device_type(cfg)
     strategy.check(cfg, device_type)
+    launched = (env.world_size, env.local_world_size) if env is not None and env.external else (None, None)
     world, per_process = strategy.processes(
-        cfg.trainer.devices, _available_devices(device_type), device_type, launched_world_size, launched_local_size
+        cfg.trainer.devices, _available_devices(device_type), device_type, *launched
     )
     accumulate = cfg.trainer.accumulate_grad_batches
     batch = cfg.data.batch_size
@@ -163,4 +169,4 @@ def plan_layout(
     )
     if cfg.trainer.amp and cfg.trainer.amp_dtype == "fp16":
         _expect(device_type == "cuda", "trainer.amp_dtype=fp16 needs a CUDA GPU; use trainer.amp_dtype=bf16 on CPU")
-    return Layout(strategy.name, device_type, world, per_process, accumulate, batch)
+    return RunPlan(Layout(strategy.name, device_type, world, per_process, accumulate, batch), strategy)

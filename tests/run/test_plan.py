@@ -1,4 +1,5 @@
-"""The one check: every option declared once, beside the code that reads it, with a default in the YAML."""
+"""The one check and the one plan: every option declared once, beside the code that reads it, with a default in the
+YAML; the layout and the strategy object made once per process and handed down."""
 
 from __future__ import annotations
 
@@ -7,13 +8,36 @@ from dataclasses import is_dataclass
 
 from omegaconf import OmegaConf
 
+from src.config.layout import Layout
 from src.config.schema import declared, target_of
 from src.models import ModelStart
+from src.run.launch import main as launch
 from src.run.plan import DECLARED, GROUPS, Top
+from src.strategies import Single
 from tests.conftest import ROOT
 
 CONF = ROOT / "conf"
 MODEL_YAMLS = sorted((CONF / "model").glob("*.yaml"))
+
+
+def _counting(monkeypatch, owner, name: str) -> list:
+    """Wrap `owner.<name>` so that each call is recorded; the record."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_a_single_process_run_makes_its_layout_and_strategy_once(cfg_factory, monkeypatch):
+    """The launch plans the run; the training loop in the same process is handed that plan."""
+    layouts = _counting(monkeypatch, Layout, "__init__")
+    strategies = _counting(monkeypatch, Single, "__init__")
+    launch(cfg_factory("trainer.max_epochs=1"))
+    assert (len(layouts), len(strategies)) == (1, 1)
 
 
 def _join(prefix: str, key: str) -> str:
