@@ -1,11 +1,12 @@
 """The `model/` group. Every builder takes num_classes and in_channels from the data; `build_model` adds the
-starting point (model.pretrained, model.weights) and model.freeze."""
+starting point (model.pretrained, model.weights) and model.freeze, which `ModelStart` declares."""
 
 from __future__ import annotations
 
 import difflib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -13,11 +14,19 @@ import torch
 from torch import nn
 
 from src.config.errors import ConfigError
-from src.config.schema import Positive, PositiveReal
+from src.config.schema import Positive, PositiveReal, declared
 from src.state.checkpoint import check_compatible, safe_torch_load
 
 log = logging.getLogger("ddplab")
-STARTING_KEYS = ("weights", "freeze")  # every model's, read by build_model (not by the builders)
+
+
+@dataclass
+class ModelStart:
+    """Every model's starting point and frozen part, read by `build_model` (not by the builders, whose signatures
+    declare the rest of the model group)."""
+
+    weights: str | None
+    freeze: str | list[str] | None  # prefixes, or backbone
 
 
 def cifar_resnet18(num_classes: int, in_channels: int = 3) -> nn.Module:
@@ -301,7 +310,7 @@ def build_model(cfg, num_classes: int, in_channels: int, start: bool = True) -> 
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    arch = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in STARTING_KEYS])
+    arch = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in declared(ModelStart)])
     if not start and arch.get("pretrained"):
         arch.pretrained = False
     try:

@@ -21,10 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.config.errors import ConfigError
-from src.config.schema import check_starting_point
 from src.distributed import rank_env
 from src.models import preflight as model_preflight
-from src.run.plan import plan_layout
+from src.run.plan import check_starting_point, plan_layout
 from src.run.trainer import train
 from src.state.resume import already_completed, reconcile
 from src.state.runlock import RunLock, hold_as_rank
@@ -36,7 +35,6 @@ from src.state.signals import (
     carrier,
     interrupt_outside_training,
 )
-from src.strategies import build_strategy
 
 log = logging.getLogger("ddplab")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
@@ -88,8 +86,8 @@ def main(cfg: DictConfig) -> dict:
         )
         return final
     cfg = reconcile(cfg, _command_line_overrides())  # a re-run in a run dir continues that run
-    layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
-    build_strategy(cfg.strategy).preflight(cfg)  # e.g. can FSDP shard this model?
+    plan = plan_layout(cfg, env)
+    plan.strategy.preflight(cfg)  # e.g. can FSDP shard this model?
     if cfg.train:
         from src.state.checkpoint import load
 
@@ -103,9 +101,9 @@ def main(cfg: DictConfig) -> dict:
     # started by the user: a stop signal before or after the training steps stops at once (Interrupted)
     signals = contextlib.nullcontext() if env.external else interrupt_outside_training()
     with signals, lock:
-        if env.external or layout.world_size == 1:
-            return train(cfg)
-        return spawn(cfg, layout.world_size)
+        if env.external or plan.layout.world_size == 1:
+            return train(cfg, plan)
+        return spawn(cfg, plan.layout.world_size)  # each rank is a process of its own and plans there
 
 
 def _setup_worker_logging(run_dir: str, rank: int) -> None:

@@ -1,8 +1,10 @@
-"""The `optim/` and `scheduler/` groups. Schedules are stepped once per optimizer step."""
+"""The `optim/` and `scheduler/` groups: `Optim` declares the optimizer options (torch's optimizers declare
+no types), each schedule's signature declares its own. Schedules are stepped once per optimizer step."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated
 
 import torch
@@ -10,7 +12,21 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.config.schema import NonNegative, Range
+from src.config.schema import Fraction, NonNegative, PositiveReal, Range
+
+
+@dataclass
+class Optim:
+    """torch's optimizers declare no types: the options ddplab's optim/ YAMLs use, with their ranges."""
+
+    lr: Annotated[float, PositiveReal]
+    momentum: Annotated[float, Fraction]
+    nesterov: bool
+    weight_decay: Annotated[float, NonNegative]
+    betas: list[Annotated[float, Fraction]]
+    eps: Annotated[float, PositiveReal]
+    decay_norm_and_bias: bool
+    pretrained_lr_scale: Annotated[float, Range(0, 1, open_lo=True)]
 
 
 def param_groups(

@@ -1,24 +1,58 @@
-"""Up-front validation of the composed config against the machine, and the sizes derived from it.
+"""Up-front validation of the composed config against the machine, and the plan of the run made from it.
 
-Everything here runs in the launching process before any rank starts, so a bad input costs one line
-on stderr and no partial outputs. Each option's own type and range are declared in src/config/schema.py;
-this module checks how options fit together and with the machine.
+The launching process runs this before any rank starts, so a bad input costs one line on stderr and no partial
+outputs. Each group's options are declared once, beside the code that reads them: the groups in `DECLARED`,
+`Top` here, `ModelStart` (src/models.py), the signature of each `_target_` (model, scheduler, strategy, logger),
+and the cluster and data groups' own checks. `check_types` collects them all, then checks how options fit
+together; `plan_layout` checks them against the machine and makes the `RunPlan` (the layout and the strategy
+object) that the rest of its process is handed. A rank started as a process of its own plans once there.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from src.config import schema
 from src.config.errors import ConfigError
 from src.config.layout import Layout, resolve_device_type
+from src.config.schema import Range, check_section, check_value, declared, refuse_lookalikes, target_of
 from src.data.datasets import check_data_config
+from src.distributed import RankEnv
+from src.models import ModelStart
 from src.run.cluster import check_keys
+from src.run.optim import Optim
+from src.run.trainer_options import TrainerOptions
+from src.state.run_state import Objective
+from src.strategies import Strategy, build_strategy
 
-__all__ = ["check_types", "plan_layout"]
+__all__ = ["RunPlan", "check_starting_point", "check_types", "plan_layout"]
+
+
+@dataclass
+class Top:
+    """The top-level options of conf/train.yaml, read by the launch and the training loop."""
+
+    seed: Annotated[int, Range(0, 2**32 - 1)]  # what every RNG takes (numpy's limit)
+    train: bool
+    ckpt_path: str | None
+    predict: bool
+
+
+GROUPS = ("paths", "data", "model", "optim", "scheduler", "strategy", "trainer", "cluster", "logger", "objective")
+# the groups without a _target_ of their own, and their declarations
+DECLARED = {"trainer": TrainerOptions, "objective": Objective, "optim": Optim}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a process plans once and hands down: how the work is spread, and the strategy that spreads it."""
+
+    layout: Layout
+    strategy: Strategy
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -27,11 +61,8 @@ def _expect(cond: bool, message: str) -> None:
 
 
 def check_types(cfg: DictConfig) -> None:
-    """Every option on its own (src/config/schema.py, the cluster and data groups' own checks), then the combinations
-    that cannot work."""
-    schema.check(cfg)
-    check_keys(cfg.cluster)
-    check_data_config(cfg.data)
+    """Every option on its own (each where it is declared), then the combinations that cannot work."""
+    _check_each_option(cfg)
     t = cfg.trainer
     cut, augment = cfg.data.get("cutout", 0), cfg.data.get("augment", "none")
     # "auto" is resolved when the images are read (the loader checks it then)
@@ -49,25 +80,77 @@ def check_types(cfg: DictConfig) -> None:
     )
 
 
+def _check_each_option(cfg: DictConfig) -> None:
+    for key in cfg:
+        if key not in GROUPS and key not in declared(Top) and key != "hydra":
+            raise ConfigError(
+                f"{key} is not an option; the top level has {', '.join(declared(Top))} and the "
+                f"groups {', '.join(GROUPS)}"
+            )
+    for key in declared(Top):
+        check_value(key, cfg.get(key), declared(Top)[key])
+    if cfg.predict and cfg.train:
+        raise ConfigError("predict=true writes an evaluation's predictions: add train=false ckpt_path=<checkpoint>")
+    for group, options in DECLARED.items():
+        check_section(cfg[group], group, options)
+    metric, direction = cfg.objective.metric, cfg.objective.direction
+    if (direction == "minimize") != str(metric).endswith("_loss"):
+        raise ConfigError(
+            f"objective.direction={direction} with objective.metric={metric} would select the worst trial; "
+            f"set objective.direction={'minimize' if metric.endswith('_loss') else 'maximize'}"
+        )
+    if len(cfg.optim.get("betas", [0, 0])) != 2:
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    for group in ("model", "scheduler", "strategy"):  # their _target_'s signature is their schema
+        skip = ("_partial_", "name", "num_classes", "in_channels", *(declared(ModelStart) if group == "model" else ()))
+        check_section(cfg[group], group, target_of(cfg[group], group), skip=skip)
+    start = [key for key in declared(ModelStart) if key in cfg.model]  # a model YAML of your own may lack them
+    check_section(OmegaConf.masked_copy(cfg.model, start), "model", ModelStart)
+    check_starting_point(cfg)
+    for name, options in (cfg.get("logger") or {}).items():
+        check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
+    refuse_lookalikes(cfg.paths, "paths", ("root_dir", "data_dir", "log_dir", "output_dir"))
+    check_keys(cfg.cluster)
+    check_data_config(cfg.data)
+
+
+def check_starting_point(cfg: DictConfig) -> None:
+    """One starting point at most, and the options that need one."""
+    m, t = cfg.model, cfg.trainer
+    if m.get("weights") and m.get("pretrained"):
+        raise ConfigError("model.weights and model.pretrained=true both name the starting weights; choose one")
+    if t.get("init_from") and (m.get("weights") or m.get("pretrained")):
+        raise ConfigError(
+            "trainer.init_from takes every weight from its checkpoint; drop model.weights and model.pretrained"
+        )
+    if t.get("init_from") and cfg.train and t.resume not in (None, "none", "auto"):
+        raise ConfigError(f"trainer.init_from starts a new run and trainer.resume={t.resume} continues one; choose one")
+    scale = cfg.optim.get("pretrained_lr_scale", 1.0)
+    if (
+        isinstance(scale, (int, float))
+        and 0 < scale < 1
+        and not (m.get("weights") or m.get("pretrained") or t.get("init_from"))
+    ):
+        raise ConfigError(
+            f"optim.pretrained_lr_scale={scale} scales the learning rate of pretrained weights, but the model starts "
+            f"from none; set model.pretrained=true, model.weights=<file> or trainer.init_from=<checkpoint>"
+        )
+
+
 def _available_devices(device_type: str) -> int:
     return torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
 
 
-def plan_layout(
-    cfg: DictConfig, launched_world_size: int | None = None, launched_local_size: int | None = None
-) -> Layout:
-    """Validate the config against the machine (or the launcher that started us) and size the run.
-
-    launched_world_size: the world size of an external launcher (torchrun, SLURM), if any.
-    """
-    from src.strategies import build_strategy
-
+def plan_layout(cfg: DictConfig, env: RankEnv | None = None) -> RunPlan:
+    """Validate the config against the machine (or, per `env`, the launcher that started this rank: torchrun,
+    SLURM), size the run and make its strategy."""
     check_types(cfg)
     strategy = build_strategy(cfg.strategy)
     device_type = resolve_device_type(cfg)
     strategy.check(cfg, device_type)
+    launched = (env.world_size, env.local_world_size) if env is not None and env.external else (None, None)
     world, per_process = strategy.processes(
-        cfg.trainer.devices, _available_devices(device_type), device_type, launched_world_size, launched_local_size
+        cfg.trainer.devices, _available_devices(device_type), device_type, *launched
     )
     accumulate = cfg.trainer.accumulate_grad_batches
     batch = cfg.data.batch_size
@@ -86,4 +169,4 @@ def plan_layout(
     )
     if cfg.trainer.amp and cfg.trainer.amp_dtype == "fp16":
         _expect(device_type == "cuda", "trainer.amp_dtype=fp16 needs a CUDA GPU; use trainer.amp_dtype=bf16 on CPU")
-    return Layout(strategy.name, device_type, world, per_process, accumulate, batch)
+    return RunPlan(Layout(strategy.name, device_type, world, per_process, accumulate, batch), strategy)

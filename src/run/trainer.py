@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 from src.config.commands import train_command
 from src.config.errors import ConfigError
-from src.config.layout import Layout
 from src.data.datasets import load_data
 from src.data.decode import EncodedImages
 from src.data.loader_choice import build_loader
@@ -29,11 +28,11 @@ from src.run.evaluate import evaluate
 from src.run.loss import build_loss_terms
 from src.run.meter import EpochMeter, StepLog
 from src.run.optim import build_optimizer
-from src.run.plan import plan_layout
+from src.run.plan import RunPlan, plan_layout
 from src.run.predict import gather_in_rank_order, predict, write
 from src.state.run_state import Checkpoints, Monitor, Progress
 from src.state.signals import StopRequest
-from src.strategies import Context, apply_activation_checkpointing, build_strategy
+from src.strategies import Context, apply_activation_checkpointing
 from src.strategies.ema import EMA
 
 log = logging.getLogger("ddplab")
@@ -54,22 +53,25 @@ class WorkerDied(RuntimeError):
 STOPPED = {Diverged: "diverged", OutOfMemory: "out_of_memory", WorkerDied: "data_worker_died"}  # metrics' status
 
 
-def prepare_run(cfg: DictConfig) -> Trainer:
-    """This rank's run: its layout validated, the process group joined (nothing built yet)."""
+def prepare_run(cfg: DictConfig, plan: RunPlan | None = None) -> Trainer:
+    """This rank's run: its plan (made here unless the launch hands it over), the process group joined (nothing
+    built yet)."""
     env = rank_env()
-    layout = plan_layout(cfg, env.world_size if env.external else None, env.local_world_size if env.external else None)
+    if plan is None:
+        plan = plan_layout(cfg, env)
     # declared threads per process, so single vs ddp on a CPU compares the same cores
     threads = cfg.trainer.threads
     if threads == "auto":  # a cluster's per-task CPUs (OMP_NUM_THREADS, e.g. cluster.cpus_per_task) come first
         threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // env.local_world_size))
     torch.set_num_threads(threads)
-    return Trainer(cfg, env, layout, init_process_group(env, layout.device_type))
+    return Trainer(cfg, env, plan, init_process_group(env, plan.layout.device_type))
 
 
-def train(cfg: DictConfig) -> dict:
-    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank."""
+def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
+    """Train (or evaluate, with train=false) as configured; return the final metrics on every rank. `plan`: the
+    one src/run/launch.py made for this process, if any."""
     with process_settings_restored():
-        run = prepare_run(cfg)
+        run = prepare_run(cfg, plan)
         try:
             return run.execute()
         finally:
@@ -95,8 +97,9 @@ def process_settings_restored():
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, env: RankEnv, layout: Layout, device: torch.device):
-        self.cfg, self.env, self.layout, self.device = cfg, env, layout, device
+    def __init__(self, cfg: DictConfig, env: RankEnv, plan: RunPlan, device: torch.device):
+        self.cfg, self.env, self.device = cfg, env, device
+        self.layout, self.strategy = plan.layout, plan.strategy
         self.t = cfg.trainer
         self.primary = env.is_primary
         self.run_dir = Path(cfg.paths.output_dir)
@@ -117,7 +120,6 @@ class Trainer:
         """Data, model, strategy, optimizer, schedule and checkpoints: everything the loop needs."""
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.seed)
-        self.strategy = build_strategy(cfg.strategy)
         if t.deterministic:  # the same bits run to run, and fp32 without TF32's 10-bit mantissa
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.backends.cudnn.benchmark = False

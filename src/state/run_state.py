@@ -1,4 +1,5 @@
-"""What a run must remember to resume: its position, best epoch and history, and the checkpoints that hold them."""
+"""What a run must remember to resume: its position, best epoch and history, and the checkpoints that hold them;
+and the options its `Monitor` reads (`objective`, `trainer.early_stopping`), declared beside it."""
 
 from __future__ import annotations
 
@@ -6,14 +7,34 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
+from src.config.schema import NonNegative, Positive
 from src.state import checkpoint as ckpt
 
 log = logging.getLogger("ddplab")
+
+
+@dataclass
+class Objective:
+    """What `train.py` returns to a sweeper: a figure of the validation split, so hyper-parameters are never
+    selected on the test set."""
+
+    metric: Literal["val_top1", "val_top5", "val_loss"]
+    direction: Literal["maximize", "minimize"]
+
+
+@dataclass
+class EarlyStopping:
+    """trainer.early_stopping: stop once objective.metric has not improved by more than min_delta for `patience`
+    epochs (null: never)."""
+
+    patience: Annotated[int, Positive] | None
+    min_delta: Annotated[float, NonNegative]
 
 
 @dataclass(frozen=True)

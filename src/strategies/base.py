@@ -286,7 +286,7 @@ def _broadcast_from_rank0(module: nn.Module, parameters: bool = True) -> None:
 
 
 def build_strategy(cfg) -> Strategy:
-    """The strategy object of `cfg.strategy` (its options were checked by src.config.schema)."""
+    """The strategy object of `cfg.strategy` (its options were checked against its signature by src/run/plan.py)."""
     from hydra.utils import instantiate
 
     return instantiate(cfg, _convert_="all")
