@@ -94,8 +94,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     start with `shards-`."""
     workers = [int(w) for w in args.workers.split(",")]
     if not args.decode:
-        return [("gpu", ["data.loader=gpu", "data.num_workers=0"])] + [
-            (f"classic{w}", ["data.loader=classic", f"data.num_workers={w}"]) for w in workers
+        return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [
+            (f"classic{w}", ["data.loader=workers", f"data.num_workers={w}"]) for w in workers
         ]
     common = ["data.augment=random_resized_crop", *([f"data.image_size={args.image_size}"] if args.image_size else [])]
     sources = [("", ["data=imagefolder", f"data.root={Path(args.data_root).resolve()}"])] if args.data_root else []
@@ -572,8 +572,8 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
     import torch
 
     from src.data.datasets import load_data
-    from src.data.loader_choice import build_loader
-    from src.data.loaders import plan_epoch
+    from src.data.epoch import plan_epoch
+    from src.data.loaders import build_loader
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)
@@ -610,7 +610,7 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
         "seconds": seconds,
         "images": timed,
         "workers": loader.num_workers,
-        "loader_name": loader.name,
+        "loader_name": loader.plan.name,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "gpu_count": torch.cuda.device_count(),
         "torch_version": torch.__version__,
@@ -628,7 +628,7 @@ def main() -> int:
     p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json; --smoke: outputs/bench/)")
     p.add_argument("--data-root", help="ImageFolder root (train/, test/); default synthetic CIFAR-sized data")
     p.add_argument("--compile", choices=["on", "off", "both"], default="on", help="trainer.compile of the loops")
-    p.add_argument("--workers", help="data.num_workers of the classic loader, comma-separated (default 8; smoke 0)")
+    p.add_argument("--workers", help="data.num_workers of data.loader=workers, comma-separated (default 8; smoke 0)")
     p.add_argument("--gpus", type=int, default=2, help="largest GPU count to run (default 2)")
     p.add_argument("--batch", type=int, help="images per GPU per step (default 512; smoke 64)")
     p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")

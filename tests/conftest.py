@@ -71,19 +71,37 @@ def read_metrics(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
+def resident_loader(data, device: torch.device, channels_last: bool, seed: int, compile: bool = False, **augmentation):
+    """The dataset in `device` memory, augmented there (data.loader=resident)."""
+    from src.data.augment import Augmentation
+    from src.data.loaders import ResidentLoader
+
+    return ResidentLoader(data, Augmentation(data, channels_last, device, **augmentation), seed, compile)
+
+
+def workers_loader(data, device: torch.device, channels_last: bool, num_workers: int, seed: int, **augmentation):
+    """In-memory data fetched by `num_workers` DataLoader workers (data.loader=workers)."""
+    from src.data.augment import Augmentation
+    from src.data.loader_plan import LoaderPlan
+    from src.data.loaders import WorkerLoader
+
+    augmented = Augmentation(data, channels_last, device, **augmentation)
+    return WorkerLoader(data, LoaderPlan(workers=num_workers), augmented, seed)
+
+
 def assert_compiled_loader_augments_like_eager(
     data, device: torch.device, batch: int, seed: int, epoch: int, cutout: int, pad_mode: str = "zeros"
 ) -> None:
-    """The gpu loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
-    (the classic path's arithmetic), bit for bit, in channels_last layout."""
-    from src.data.loaders import DeviceLoader, plan_epoch
+    """The resident loader, eager and with its augmentation compiled, yields the eager CPU loader's batches
+    (the workers' arithmetic), bit for bit, in channels_last layout."""
+    from src.data.epoch import plan_epoch
 
     steps = plan_epoch(len(data.train), batch, 1, 0, 1, seed=seed, epoch=epoch, drop_last=True)
     cpu = torch.device("cpu")
     options = dict(seed=seed, cutout=cutout, pad_mode=pad_mode)
-    reference = list(DeviceLoader(data, cpu, True, **options).train_batches(steps, epoch))
-    eager = list(DeviceLoader(data, device, True, **options).train_batches(steps, epoch))
-    compiled = list(DeviceLoader(data, device, True, compile=True, **options).train_batches(steps, epoch))
+    reference = list(resident_loader(data, cpu, True, **options).train_batches(steps, epoch))
+    eager = list(resident_loader(data, device, True, **options).train_batches(steps, epoch))
+    compiled = list(resident_loader(data, device, True, compile=True, **options).train_batches(steps, epoch))
     assert len(reference) == len(eager) == len(compiled) == len(steps) > 1
     for r, e, c in zip(reference, eager, compiled):
         for b in (e, c):

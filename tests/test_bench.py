@@ -93,7 +93,7 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
     for name in SMOKE_RUNS - {"ceiling-fp32"}:
         r = runs[name]
         assert len(r["epoch_sec"]) == 2 and r["hparams"]["world_size"] == r["gpus"]
-        assert r["hparams"]["loader"] == ("gpu" if name.endswith("-gpu") else "classic")
+        assert r["hparams"]["loader"] == ("resident" if name.endswith("-gpu") else "workers")
         assert r["hparams"]["per_device_batch"] == 64
         assert not {"tflops_per_gpu", "peak_mem_gb", "mfu"} & set(r)  # CPU: no per-GPU figures
     assert runs["ceiling-fp32"]["precision"] == "fp32" and len(runs["ceiling-fp32"]["window_sec"]) >= 2
@@ -218,9 +218,9 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert {name: r["loader_name"] for name, r in runs.items()} == {
-        "loader-classic1": "classic",
-        "loader-cpudecode1": "cpudecode",
-        "loader-split1": "split",
+        "loader-classic1": "decode-cpu",
+        "loader-cpudecode1": "decode-cpu-crop-device",
+        "loader-split1": "decode-split",
     }
     assert all(r["ok"] and r["images_per_sec"] > 0 and 0 < r["pass_start_sec"] < 60 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]

@@ -140,7 +140,7 @@ def test_a_group_option_is_not_a_change_of_the_keys_inside_it(finished_run, cfg_
 def test_eval_only_writes_eval_json_and_takes_the_model_from_the_checkpoint(finished_run, tmp_path):
     metrics_before = (finished_run / "metrics.json").read_bytes()
     best = finished_run / "checkpoints/best.pt"
-    # default model is small_cnn; the checkpoint holds tiny_cnn (debug=fast): it must not need model= restated
+    # the model config comes from the checkpoint: it must not need model= restated
     proc = run_cli("train=false", f"ckpt_path={best}", "trainer.device=cpu", f"hydra.run.dir={finished_run}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (finished_run / "metrics.json").read_bytes() == metrics_before  # the training run's file is untouched

@@ -41,7 +41,7 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
     digits = (
         "data=digits",
         "data.augment=none",
-        "model=small_cnn",
+        "model=tiny_cnn",
         "trainer.limit_train_batches=null",
         "trainer.max_epochs=10",
     )
@@ -86,6 +86,7 @@ def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, 
         "data=synthetic",
         "data.augment=crop_flip",
         "model=tiny_cnn",
+        "model.width=16",
         "model.batch_norm=false",  # BatchNorm would see 64 images on one device but 32 per rank: another model
         "data.batch_size=64",
         "trainer.compile=true",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
+from src.config.renamed import RENAMED_OPTIONS
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"}
 FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p"}
@@ -52,6 +54,9 @@ def problem(argv: list[str]) -> str | None:
         chosen = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
         values = [str(v) for item in chosen for v in (item if isinstance(item, list) else [item])]  # logger=[a,b]
         for value in values:
+            renamed = RENAMED_OPTIONS.get(key, {}).get(value)
+            if renamed:
+                return f"{key}={value} is now called {key}={renamed}"
             if value != "null" and value not in options:
                 return f"{key}={value} is not a {key} option ({', '.join(options)}){_suggest(value, options)}"
     return _unknown_key(parsed, groups)

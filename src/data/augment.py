@@ -10,12 +10,95 @@ Images read from disk (each of its own size) get random resized crops whose choi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from src.config.errors import ConfigError
+from src.config.schema import NonNegative, Range
+
 CROP_PAD = 4
+Probability = Range(0, 1)
+
+
+@dataclass(frozen=True)
+class Span(Range):
+    """A [low, high] pair of numbers within the bounds, low <= high; `meaning` says what they measure."""
+
+    meaning: str = ""
+
+    def holds(self, v) -> bool:
+        return len(v) == 2 and super().holds(v[0]) and super().holds(v[1]) and v[0] <= v[1]
+
+    def __str__(self) -> str:
+        low = "" if self.lo is None else f"{self.lo:g} {'<' if self.open_lo else '<='} "
+        high = "" if self.hi is None else f" {'<' if self.open_hi else '<='} {self.hi:g}"
+        return f"pair [low, high] with {low}low <= high{high} ({self.meaning})"
+
+
+@dataclass(frozen=True)
+class AugmentOptions:
+    """The data group's augmentation options (conf/data_common.yaml; rrc_*: images read from disk), checked by
+    check_data_config and read by the loaders."""
+
+    augment: Literal["none", "crop_flip", "random_resized_crop", "auto"]
+    cutout: Annotated[int, NonNegative]  # the side of a zeroed square per training image (crop_flip); 0: off
+    pad_mode: Literal["zeros", "reflect"]  # the crop's padding
+    auto_augment: Literal["none", "trivial"]  # trivial: TrivialAugmentWide per image in the CPU workers
+    random_erasing: Annotated[float, Probability]
+    mixup_alpha: Annotated[float, NonNegative]
+    cutmix_alpha: Annotated[float, NonNegative]
+    mix_prob: Annotated[float, Probability]
+    mix_switch_prob: Annotated[float, Probability]
+    rrc_scale: Annotated[list[float], Span(0, 1, open_lo=True, meaning="share of the image area")] = (0.08, 1.0)
+    rrc_ratio: Annotated[list[float], Span(0, open_lo=True, meaning="width / height")] = (3 / 4, 4 / 3)
+
+    @property
+    def trivial(self) -> bool:
+        return self.auto_augment == "trivial"
+
+
+def check_cutout(cutout: int, augment: str) -> None:
+    """Cutout zeroes part of crop_flip's crops: refused with any other augmentation (auto is checked again once the
+    images tell what it becomes)."""
+    if cutout and augment not in ("crop_flip", "auto"):
+        raise ConfigError(f"data.cutout={cutout} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Random erasing (its probability) and mixup/cutmix (timm's Mixup, per pair): applied per micro-batch on the
+    device; TrivialAugment (auto_augment=trivial): per image in the CPU workers."""
+
+    erasing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0
+    switch_prob: float = 0.5
+    trivial: bool = False
+
+    @classmethod
+    def of(cls, options: AugmentOptions) -> Recipe:
+        o = options
+        numbers = (o.random_erasing, o.mixup_alpha, o.cutmix_alpha, o.mix_prob, o.mix_switch_prob)
+        return cls(*map(float, numbers), trivial=o.trivial)
+
+    @property
+    def mixing(self) -> tuple | None:
+        on = self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+        return (self.mixup_alpha, self.cutmix_alpha, self.mix_prob, self.switch_prob) if on else None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.erasing or self.mixing)
+
+    def draws(self, seed: int, epoch: int, ids: torch.Tensor, size) -> torch.Tensor:
+        return recipe_draws(seed, epoch, ids.numpy(), *size, self.erasing, self.mixing)
+
+
 RRC_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before falling back to a centre crop
 RRC_DRAWS = 4 * RRC_ATTEMPTS + 1  # per sample: (area, aspect, top, left) per attempt, and the flip
 
@@ -95,7 +178,7 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, table
     (normalize_table), which is exact, because the arithmetic rounds differently there: CUDA divides by a
     Python number as a multiplication by its reciprocal (aten's div_true_kernel_cuda), and compiled code
     need not round like eager code (both seen in the CUDA test). Eagerly on the CPU the lookup would be
-    ~15x slower for the classic loader's workers."""
+    ~15x slower for the DataLoader workers."""
     if images.device.type != "cpu" or torch.compiler.is_compiling():
         channels = torch.arange(images.shape[1], device=images.device)[:, None, None]
         return table[channels, images.long()]
@@ -443,3 +526,86 @@ def erase_and_mix(
         torch.where(dominant, y, y_other),
         (torch.where(dominant, y_other, y), torch.where(dominant, own, 1 - own)),
     )
+
+
+# --- one split's augmentation, from uint8 images to the normalized batch -------------------------------------
+
+
+class Augmentation:
+    """uint8 images -> normalized float batch on `device`, augmented with the epoch's draws: crop_flip (in a
+    loader's workers or on the device), then normalization, cutout and layout, then the recipe (erasing, mixing)."""
+
+    def __init__(
+        self,
+        data,
+        channels_last: bool,
+        device: torch.device,
+        cutout: int = 0,
+        pad_mode: str = "zeros",
+        recipe: Recipe = Recipe(),
+    ):
+        self.recipe, self.device = recipe, device
+        self.mean = torch.tensor(data.mean, device=device)
+        self.std = torch.tensor(data.std, device=device)
+        self.table = normalize_table(data.mean, data.std).to(device)
+        self.crop_flip = data.augment == "crop_flip"
+        self.cutout, self.pad_mode = cutout, pad_mode
+        self.image_size = tuple(data.image_size)
+        self.channels_last = channels_last
+
+    def for_workers(self, data) -> Augmentation:
+        """The same augmentation on the CPU of a loader's workers, in plain layout."""
+        return Augmentation(data, False, torch.device("cpu"), self.cutout, self.pad_mode, self.recipe)
+
+    def draw(self, n: int, seed: int, epoch: int) -> torch.Tensor:
+        """The random choices of one epoch for samples 0..n-1 (indexed by sample id)."""
+        return draw_params(n, seed, epoch, cutout_within=self.image_size if self.cutout else None)
+
+    def augment(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """uint8 -> uint8: the padded crop and flip."""
+        if params is not None and self.crop_flip:
+            return crop_flip(images, params[:, :3], pad_mode=self.pad_mode)
+        return images
+
+    def finish(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """uint8 -> normalized float, cutout, layout (always on the training device)."""
+        x = normalize(images, self.mean, self.std, self.table)
+        if params is not None and self.crop_flip and self.cutout:
+            x = cutout(x, params[:, 3:5], self.cutout)
+        return self.layout(x)
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:  # spelled out: torch.compile drops contiguous(memory_format=channels_last)
+            return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        return x.contiguous()
+
+    def recipe_draws(self, seed: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's erasing and mixing draws (CPU ids -> CPU tensor)."""
+        return self.recipe.draws(seed, epoch, ids, self.image_size)
+
+    def apply_recipe(self, x: torch.Tensor, y: torch.Tensor, draws: torch.Tensor | None) -> tuple:
+        """(x, y, mix) of a finished training micro-batch: erased and mixed where the recipe says."""
+        if draws is None:
+            return x, y, ()
+        x, y, mix = erase_and_mix(x, y, draws, mix=self.recipe.mixing is not None)
+        return self.layout(x), y, mix
+
+    def __call__(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        return self.finish(self.augment(images, params), params)
+
+
+class EpochDraws:
+    """The epoch's crop_flip draws of a split (indexed by sample id), drawn once per epoch; None for evaluations
+    and the other augmentations."""
+
+    def __init__(self, augmentation: Augmentation, n: int, seed: int, device: torch.device | None = None):
+        self.augmentation, self.n, self.seed, self.device = augmentation, n, seed, device
+        self.cached: tuple[int | None, torch.Tensor | None] = (None, None)
+
+    def __call__(self, epoch: int | None, ids: torch.Tensor) -> torch.Tensor | None:
+        if epoch is None or not self.augmentation.crop_flip:
+            return None
+        if self.cached[0] != epoch:
+            draws = self.augmentation.draw(self.n, self.seed, epoch)
+            self.cached = (epoch, draws if self.device is None else draws.to(self.device))
+        return self.cached[1][ids.to(self.cached[1].device)]

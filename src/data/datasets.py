@@ -16,8 +16,9 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -25,8 +26,11 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
-from src.config.schema import refuse_lookalikes
+from src.config.renamed import RENAMED_VALUES
+from src.config.schema import Fraction, Positive, PositiveReal, Range, check_value, declared, refuse_lookalikes
+from src.data.augment import AugmentOptions, check_cutout
 from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
+from src.data.loader_plan import LoaderOptions
 
 log = logging.getLogger(__name__)
 
@@ -39,76 +43,46 @@ SPLIT_SEED = 0  # the val/test carve-out is fixed, so runs with different seeds 
 CACHE_VERSION = 3  # hashed into every decode-cache key: bump it when decoding changes
 
 
-# --- the data config: one table of rules --------------------------------------------------------------
+# --- the data config: each group of options declared beside the code that reads it ----------------------------
 
-AUGMENTS = ("none", "crop_flip", "random_resized_crop", "auto")
 IN_MEMORY_AUGMENTS = ("none", "crop_flip")  # what the loaders apply to in-memory uint8 tensors
 
 
-def _is_int(value, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+@dataclass(frozen=True)
+class SplitOptions:
+    """How the samples are batched and held out (conf/data_common.yaml)."""
+
+    batch_size: Annotated[int, Positive]  # the GLOBAL batch of one optimizer step
+    eval_batch_size: Annotated[int, Positive]  # per device
+    val_fraction: Annotated[float, Fraction]
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Options of the builders below that have them: test_fraction (digits), image_size and max_memory_gb
+    (ImageFolders, shards), the rest (synthetic)."""
+
+    test_fraction: Annotated[float, Range(0, 1, open_lo=True, open_hi=True)] = 0.2
+    image_size: Annotated[int, Positive] | None = None
+    max_memory_gb: Annotated[float, PositiveReal] = 8.0
+    shape: list[Annotated[int, Positive]] = (3, 32, 32)  # [channels, height, width]
+    num_classes: Annotated[int, Range(2)] = 10
+    num_samples: Annotated[int, Positive] = 2048
+    num_test: Annotated[int, Positive] = 512
 
 
-def _is_range(value, upper: float | None = None) -> bool:
-    """[low, high] with 0 < low <= high (<= upper)."""
-    value = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
-    return (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(_is_number(v) for v in value)
-        and 0 < value[0] <= value[1]
-        and (upper is None or value[1] <= upper)
-    )
+BUILDER_KEYS = ("_target_", "name", "root", "download")  # what the builders of src/ read besides the options
 
 
-# key: (test, what a valid value is). The shared keys (conf/data_common.yaml) must be present.
-SHARED_KEYS = {
-    "batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
-    "eval_batch_size": (lambda v: _is_int(v, 1), "a positive integer"),
-    "val_fraction": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "augment": (lambda v: v in AUGMENTS, f"one of {', '.join(AUGMENTS)}"),
-    "cutout": (lambda v: _is_int(v, 0), "a side length in pixels >= 0 (0 = off)"),
-    "pad_mode": (lambda v: v in ("zeros", "reflect"), "zeros or reflect"),
-    "auto_augment": (lambda v: v in ("none", "trivial"), "none or trivial (TrivialAugmentWide)"),
-    "random_erasing": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1] (0 = off)"),
-    "mixup_alpha": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0 = off)"),
-    "cutmix_alpha": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0 = off)"),
-    "mix_prob": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-    "mix_switch_prob": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-    "num_workers": (lambda v: v == "auto" or _is_int(v, 0), "auto or an integer >= 0"),
-    "loader": (lambda v: v in ("auto", "classic", "gpu"), "auto, classic or gpu"),
-}
-# checked where a dataset has them
-OWN_KEYS = {
-    "test_fraction": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
-    "image_size": (lambda v: v is None or _is_int(v, 1), "null or a positive integer"),
-    "max_memory_gb": (lambda v: _is_number(v) and v > 0, "a positive number"),
-    # images read from disk (imagefolder beyond max_memory_gb, shards)
-    "decode": (lambda v: v in ("auto", "gpu", "cpu", "split"), "auto, gpu, cpu or split"),
-    "gpu_share": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (the share of each batch)"),
-    "crop": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
-    "rrc_scale": (lambda v: _is_range(v, 1.0), "[low, high] with 0 < low <= high <= 1 (share of the image area)"),
-    "rrc_ratio": (_is_range, "[low, high] with 0 < low <= high (width / height)"),
-    "skip_bad_images": (lambda v: isinstance(v, bool), "true or false"),
-    # data=synthetic
-    "shape": (lambda v: len(v) == 3 and all(_is_int(n, 1) for n in v), "[channels, height, width], positive"),
-    "num_classes": (lambda v: _is_int(v, 2), "an integer >= 2"),
-    "num_samples": (lambda v: _is_int(v, 1), "a positive integer"),
-    "num_test": (lambda v: _is_int(v, 1), "a positive integer"),
-}
+def options_of(cfg, spec):
+    """The `spec` dataclass of the data config `cfg`; options it does not hold take their declared defaults."""
+    return spec(**{f.name: cfg[f.name] for f in fields(spec) if f.name in cfg})
 
 
-BUILDER_KEYS = ("_target_", "name", "root", "download")  # what the builders of src/ read besides the tables
-
-
-def _check_keys(cfg: DictConfig, builder: Callable) -> None:
+def _check_keys(cfg: DictConfig, builder: Callable, known: list[str]) -> None:
     """A key no builder of src/ reads is a typo (e.g. +data.num_worker=4 would change nothing): refused. A
     builder of your own may read keys of its own: those are refused only when they look like a known key."""
-    known = (*SHARED_KEYS, *OWN_KEYS, *BUILDER_KEYS)
+    known = (*known, *BUILDER_KEYS)
     refuse_lookalikes(cfg, "data", known)
     unknown = [key for key in cfg if key not in known]
     if unknown and builder.__module__.startswith("src."):
@@ -116,6 +90,16 @@ def _check_keys(cfg: DictConfig, builder: Callable) -> None:
             f"data.{unknown[0]} is not an option of data={cfg.get('name')}; the data options are "
             f"{', '.join(k for k in known if not k.startswith('_'))}"
         )
+
+
+def _take_renamed_values(cfg: DictConfig) -> None:
+    """An old value (data.loader=gpu) is taken under its new name, with a one-line warning, and set in the config
+    so that the run records, and its ranks read, the new one."""
+    for key, renamed in RENAMED_VALUES.get("data", {}).items():
+        old = cfg.get(key)
+        if isinstance(old, str) and old in renamed:
+            log.warning("data.%s=%s is now called data.%s=%s", key, old, key, renamed[old])
+            cfg[key] = renamed[old]
 
 
 def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
@@ -138,45 +122,34 @@ def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
 
 
 def check_data_config(cfg: DictConfig) -> None:
-    """Every range and choice check of the data keys, in the launching process before any rank starts
-    (load_data calls it again, for direct callers)."""
+    """Every data option against its declaration, and the combinations that cannot run, in the launching process
+    before any rank starts (load_data calls it again, for direct callers)."""
     missing = [key for key in cfg if OmegaConf.is_missing(cfg, key)]
     if missing:
         raise ConfigError(f"data.{missing[0]} must be set for data={cfg.get('name')}, e.g. data.{missing[0]}=...")
     builder = builder_of(cfg)
     if not isinstance(cfg.get("name"), str):
         raise ConfigError(f"data.name must be a string (the dataset's label in reports), got {cfg.get('name')!r}")
-    _check_keys(cfg, builder)
-    absent = [key for key in SHARED_KEYS if key not in cfg]
+    _take_renamed_values(cfg)
+    specs = (SplitOptions, AugmentOptions, LoaderOptions, DatasetOptions)
+    hints = {key: hint for spec in specs for key, hint in declared(spec).items()}
+    _check_keys(cfg, builder, list(hints))
+    shared = [f.name for spec in specs for f in fields(spec) if f.default is MISSING]
+    absent = [key for key in shared if key not in cfg]
     if absent:
         raise ConfigError(
             f"data.{absent[0]} is missing; start the data YAML with `defaults: [/data_common@_here_, _self_]`"
         )
-    for key, (ok, what) in {**SHARED_KEYS, **OWN_KEYS}.items():
-        if key in cfg and not ok(cfg[key]):
-            raise ConfigError(f"data.{key} must be {what}, got {cfg[key]!r}")
-    mixing = cfg.get("mixup_alpha", 0) or cfg.get("cutmix_alpha", 0)
-    if mixing and cfg.get("skip_bad_images"):  # a skipped image would shift the pairs of its micro-batch
-        raise ConfigError(
+    for key, hint in hints.items():
+        if key in cfg:
+            check_value(f"data.{key}", cfg[key], hint)
+    augment, loader = options_of(cfg, AugmentOptions), options_of(cfg, LoaderOptions)
+    check_cutout(augment.cutout, augment.augment)
+    loader.check(augment.trivial)
+    if (augment.mixup_alpha or augment.cutmix_alpha) and loader.skip_bad_images:
+        raise ConfigError(  # a skipped image would shift the pairs of its micro-batch
             "data.mixup_alpha/cutmix_alpha pair the samples of each micro-batch, which data.skip_bad_images=true "
             "would shift; set data.skip_bad_images=false (and repack or remove the bad images)"
-        )
-    if cfg.get("auto_augment") == "trivial":  # per image on the CPU, where the workers crop (trivial_augment)
-        if cfg.get("loader") == "gpu":
-            raise ConfigError(
-                "data.auto_augment=trivial runs per image in the CPU workers, not in data.loader=gpu; "
-                "use data.loader=classic (or auto)"
-            )
-        if cfg.get("decode") in ("gpu", "split") or cfg.get("crop") == "device":
-            raise ConfigError(
-                f"data.auto_augment=trivial runs in the CPU workers after their crops, not with "
-                f"data.decode={cfg.get('decode')} data.crop={cfg.get('crop')}; set data.decode=cpu (or auto) and "
-                "data.crop=workers (or auto)"
-            )
-    if cfg.get("decode") in ("gpu", "split") and cfg.get("crop") == "workers":
-        raise ConfigError(
-            f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={cfg.decode}) are "
-            "cropped by the training process; use data.crop=device (or auto)"
         )
 
 
@@ -327,6 +300,8 @@ def load_cifar100(cfg: DictConfig) -> DataBundle:
 
 def load_synthetic(cfg: DictConfig) -> DataBundle:
     g = torch.Generator().manual_seed(SPLIT_SEED)
+    if len(cfg.shape) != 3:
+        raise ConfigError(f"data.shape must be [channels, height, width], got {list(cfg.shape)}")
     c, h, w = cfg.shape
 
     def make(n: int) -> Split:
@@ -527,6 +502,7 @@ def load_data(cfg: DictConfig) -> DataBundle:
             f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
             f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}"
         )
+    check_cutout(cfg.get("cutout", 0), data.augment)  # data.augment=auto resolved
     for split in ("train", "test"):
         if not len(getattr(data, split)):
             raise ConfigError(

@@ -41,7 +41,7 @@ def summarize(history: list[dict]) -> dict:
 
 
 def _choices(run_dir: Path) -> dict:
-    """The config group options the run was composed from (`model: small_cnn`), as Hydra recorded them."""
+    """The config group options the run was composed from (`model: tiny_cnn`), as Hydra recorded them."""
     try:
         return dict(OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices)
     except Exception:  # no .hydra/ (a config composed in Python): the class names stand in
@@ -72,9 +72,9 @@ def hparams(cfg: DictConfig, layout: Layout, strategy, loader, run_dir: Path) ->
         "max_epochs": t.max_epochs,
         "seed": cfg.seed,
         "lr": cfg.optim.lr,
-        "loader": loader.name,
-        "num_workers": loader.num_workers,  # data.num_workers as resolved (auto: from the CPUs)
-        "gpu_share": loader.gpu_share,  # data.decode=split's share of each batch decoded on the GPU, else 0
+        "loader": loader.plan.name,  # src/data/loader_plan.py: resident, workers, decode-cpu, decode-gpu, ...
+        "num_workers": loader.plan.workers,  # data.num_workers as resolved (auto: from the CPUs)
+        "gpu_share": loader.plan.gpu_share,  # data.decode=split's share of each batch decoded on the GPU, else 0
         "compile": t.compile,
         "channels_last": t.channels_last,
         "threads": torch.get_num_threads(),
@@ -107,6 +107,8 @@ def data_wait(m: dict) -> str:
 # CPU decoding with 4 CPU workers per GPU; CPU decoding was the faster from 8 workers on.
 DATA_BOUND_GPU_WAIT = 0.2
 SPLIT_HELPS_BELOW_WORKERS = 6
+# the loaders whose DataLoader workers make the batches (LoaderPlan.name in src/data/loader_plan.py)
+WORKER_LOADERS = ("workers", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split")
 RECIPE = "docs/data.md: 'Recipe: an ImageNet-style folder at GPU speed'"
 
 
@@ -114,23 +116,23 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     """One line for a run whose GPU went without work, waiting for data, a fifth of the time or more (CUDA only:
     gpu_data_wait_fraction); None otherwise. What to change depends on the loader and its CPU workers per process."""
     wait = final.get("gpu_data_wait_fraction")
-    if wait is None or wait < DATA_BOUND_GPU_WAIT or loader not in ("classic", "cpudecode", "gpudecode", "split"):
-        return None  # the gpu loader's wait is its augmentation kernels; a loader not named here: no advice
+    if wait is None or wait < DATA_BOUND_GPU_WAIT or loader not in WORKER_LOADERS:
+        return None  # the resident loader's wait is its augmentation kernels; a loader not named here: no advice
     more_cpus = "give each GPU more CPUs (data.num_workers; srun --cpus-per-task)"
     smaller = "pack the images re-encoded smaller if they are not (python -m src.data.shards pack --max-side 256)"
     if not from_disk:
-        fix = "data.loader=gpu keeps the data on the GPU and augments it there"
+        fix = "data.loader=resident keeps the data on the GPU and augments it there"
     elif workers == 0:
         fix = "data.num_workers=0 decodes in the training process; data.num_workers=auto starts a worker per CPU"
-    elif loader == "split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
+    elif loader == "decode-split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
         fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
-    elif loader == "split":
+    elif loader == "decode-split":
         fix = more_cpus
-    elif loader == "gpudecode":
+    elif loader == "decode-gpu":
         fix = f"{smaller} and decode them on the CPU (data.decode=cpu) with a worker per CPU"
     elif workers < SPLIT_HELPS_BELOW_WORKERS:
         fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
-    elif loader == "classic":
+    elif loader == "decode-cpu":
         only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
         fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"
     else:
@@ -228,7 +230,7 @@ class Reporter:
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
-        self.from_disk = loader.from_disk  # every loader says it, as it says name and num_workers
+        self.from_disk = loader.plan.from_disk
         result = run_dir / ("metrics.json" if cfg.train else "eval.json")
         if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
             raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")

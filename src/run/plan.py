@@ -64,12 +64,6 @@ def check_types(cfg: DictConfig) -> None:
     """Every option on its own (each where it is declared), then the combinations that cannot work."""
     _check_each_option(cfg)
     t = cfg.trainer
-    cut, augment = cfg.data.get("cutout", 0), cfg.data.get("augment", "none")
-    # "auto" is resolved when the images are read (the loader checks it then)
-    _expect(
-        not cut or augment in ("crop_flip", "auto"),
-        f"data.cutout={cut} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0",
-    )
     # torch's CUDA-graph trees hand out each replay's gradients in memory the next replay reuses, so gradients
     # summed over micro-batches come out wrong (pytorch/pytorch#169545, #96693)
     _expect(

@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from src.config.commands import train_command
 from src.config.errors import ConfigError
-from src.data.datasets import load_data
+from src.data.augment import AugmentOptions, Recipe
+from src.data.datasets import load_data, options_of
 from src.data.decode import EncodedImages
-from src.data.loader_choice import build_loader
-from src.data.loaders import Recipe, eval_shard, plan_epoch
+from src.data.epoch import eval_shard, plan_epoch
+from src.data.loaders import build_loader
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
 from src.models import build_model, head_names, new_head_line
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
@@ -243,7 +244,7 @@ class Trainer:
         if self._last_plan and self._last_plan[0] == epoch:
             return self._last_plan[1]
         # with torch.compile a short last batch would trigger a recompile; mixing pairs need even micro-batches
-        drop_last = self.t.compile or Recipe.of(self.cfg.data).mixing is not None
+        drop_last = self.t.compile or Recipe.of(options_of(self.cfg.data, AugmentOptions)).mixing is not None
         steps = plan_epoch(
             len(self.data.train),
             self.layout.global_batch,

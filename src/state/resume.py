@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.config.commands import train_command
 from src.config.errors import ConfigError
+from src.config.renamed import RENAMED_VALUES
 from src.state.checkpoint import Unreadable, find, load
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
@@ -68,12 +69,23 @@ MOVED_TARGETS = {
 }
 
 
-def current_targets(tree):
+def current_config(saved: dict | None) -> dict | None:
+    """A saved config as this code names things: moved `_target_`s and renamed values (RENAMED_VALUES)."""
+    tree = _current_targets(saved)
+    for group, keys in RENAMED_VALUES.items():
+        section = (tree or {}).get(group)
+        for key, renamed in keys.items():
+            if isinstance(section, dict) and isinstance(section.get(key), str) and section[key] in renamed:
+                section[key] = renamed[section[key]]
+    return tree
+
+
+def _current_targets(tree):
     """A saved config with every moved `_target_` renamed to where that code lives now."""
     if isinstance(tree, dict):
-        return {k: _moved(v) if k == "_target_" else current_targets(v) for k, v in tree.items()}
+        return {k: _moved(v) if k == "_target_" else _current_targets(v) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [current_targets(v) for v in tree]
+        return [_current_targets(v) for v in tree]
     return tree
 
 
@@ -107,7 +119,7 @@ def already_completed(cfg: DictConfig, overrides: list[str] | None) -> dict | No
             f"leave trainer.resume at auto, or train in another hydra.run.dir"
         )
     explicit = _explicit(overrides)
-    tree, saved = OmegaConf.to_container(cfg, resolve=True), current_targets(metrics.get("config") or {})
+    tree, saved = OmegaConf.to_container(cfg, resolve=True), current_config(metrics.get("config") or {})
     other = [group for group in _groups_chosen(saved, tree) if _set_by_user(group, explicit)]
     changed = [f"{group}={_option(tree[group])} (run: {_option(saved[group])})" for group in other]
     now, before = _flat(tree), _flat(saved)
@@ -197,7 +209,7 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     if not cfg.train:
         if not cfg.ckpt_path:
             return cfg
-        saved = current_targets(load(cfg.ckpt_path).get("config"))
+        saved = current_config(load(cfg.ckpt_path).get("config"))
         if saved and not _set_by_user("model", explicit):
             with open_dict(cfg):
                 cfg.model = OmegaConf.create(saved["model"])
@@ -213,7 +225,7 @@ def reconcile(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     if path is None or not path.exists():
         return cfg
     try:
-        saved = current_targets(load(path).get("config"))
+        saved = current_config(load(path).get("config"))
     except Unreadable as exc:
         if resume != "auto":
             raise

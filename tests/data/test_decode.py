@@ -22,9 +22,10 @@ from src.config.errors import ConfigError
 from src.data.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.data.datasets import load_data
 from src.data.decode import as_tensor, decode_cpu, gpu_decodable
-from src.data.disk_loader import DiskLoader, gpu_decoded
-from src.data.loader_choice import build_loader
-from src.data.loaders import cpus_of_this_process, plan_epoch, resolve_workers
+from src.data.epoch import plan_epoch
+from src.data.fetch import gpu_decoded
+from src.data.loader_plan import cpus_of_this_process, resolve_workers
+from src.data.loaders import WorkerLoader, build_loader
 from src.run.trainer import train
 from tests.conftest import make_cfg
 
@@ -90,8 +91,10 @@ def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU, 
     with_decode = cfg.data.copy()
     with_decode.decode, with_decode.crop = decode, crop
     loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
-    name = {"gpu": "gpudecode", "split": "split"}.get(decode, "cpudecode" if crop == "device" else "classic")
-    assert isinstance(loader, DiskLoader) and loader.name == name
+    name = {"gpu": "decode-gpu", "split": "decode-split"}.get(
+        decode, "decode-cpu-crop-device" if crop == "device" else "decode-cpu"
+    )
+    assert isinstance(loader, WorkerLoader) and loader.plan.name == name
     try:
         if eval_split:
             return list(loader.eval_batches(eval_split, torch.arange(len(getattr(data, eval_split))), 4))
@@ -315,11 +318,11 @@ def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crop
     shapes = [tuple(image.shape[1:]) for image in images]
     boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
     assert (boxes[:, 2] * boxes[:, 3] < [h * w for h, w in shapes]).any()  # some crop smaller than its image
-    sent = loader.dataset.__getitems__(("train", 3, ids.numpy()))
+    sent = loader.fetch.__getitems__(("train", 3, ids.numpy()))
     assert sent.shapes.tolist() == [[3, h, w] for _, _, h, w in boxes.tolist()]
     regions = [image[:, y : y + h, x : x + w].reshape(-1) for image, (y, x, h, w) in zip(images, boxes.tolist())]
     assert torch.equal(sent.x, torch.cat(regions)) and torch.equal(sent.flips, torch.from_numpy(flips))
-    sent = loader.dataset.__getitems__(("test", None, np.arange(4)))
+    sent = loader.fetch.__getitems__(("test", None, np.arange(4)))
     assert sent.flips is None and sent.shapes[:, 1:].tolist() == [
         list(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.test.files.read(range(4))
     ]
@@ -336,9 +339,9 @@ def test_cpu_decoding_spreads_a_batch_over_the_workers_and_joins_it_again(tmp_pa
     loader = build_loader(data, cfg.data, CPU, False, seed=7)
     try:
         pieces = [(b.x, b.y) for b in loader.train_batches(steps, 1)]
-        assert [len(request[2]) for request in loader.requests.items] == [32, 32, 16]
+        assert [len(request[2]) for request in loader.requests["all"].items] == [32, 32, 16]
         test_pieces = list(loader.eval_batches("test", torch.arange(len(data.test)), 40))
-        assert [len(request[2]) for request in loader.requests.items] == [32, 8]
+        assert [len(request[2]) for request in loader.requests["all"].items] == [32, 8]
     finally:
         loader.close()
     whole = batches(data, cfg, steps, 1, "cpu", crop=crop)
@@ -386,7 +389,7 @@ def test_auto_workers_train_like_any_count_and_are_recorded(tmp_path, caplog):
     the count in metrics.json's hparams, and trains to the same numbers as loading in the training process."""
     write_tree(tmp_path / "tree", per_class=(12, 4))
     runs = {}
-    caplog.set_level(logging.INFO, logger="src.data.loaders")
+    caplog.set_level(logging.INFO, logger="src.data.loader_plan")
     for workers in ("auto", "0"):
         cfg = make_cfg(
             tmp_path / workers,
@@ -403,7 +406,7 @@ def test_auto_workers_train_like_any_count_and_are_recorded(tmp_path, caplog):
     expected = max(0, min(cpus - 1, 16))
     assert f'"num_workers": {expected}' in runs["auto"][1] and '"num_workers": 0' in runs["0"][1]
     assert runs["auto"][0]["test_loss"] == runs["0"][0]["test_loss"]
-    said = [r.getMessage() for r in caplog.records if r.name == "src.data.loaders"]
+    said = [r.getMessage() for r in caplog.records if r.name == "src.data.loader_plan"]
     line = f"data.num_workers=auto: {expected} DataLoader workers ({cpus} CPUs for this process, one kept for it)"
     assert said == [line]
 
@@ -413,8 +416,8 @@ import sys
 from multiprocessing import resource_sharer
 from pathlib import Path
 import torch
-from src.data.loader_choice import build_loader
-from src.data.loaders import plan_epoch
+from src.data.epoch import plan_epoch
+from src.data.loaders import build_loader
 from tests.data.test_decode import disk_data, write_tree
 tmp = Path(sys.argv[1])
 write_tree(tmp / "tree", per_class=(20, 4))
@@ -449,10 +452,10 @@ def test_a_piece_of_unreadable_images_is_skipped_and_a_batch_of_them_is_one_line
         Path(data.test.files.name(i)).write_bytes(b"nothing")
     loader = build_loader(data, cfg.data, CPU, False, seed=7)
     try:
-        with caplog.at_level(logging.WARNING, logger="src.data.disk_loader"):
+        with caplog.at_level(logging.WARNING, logger="src.data.finish"):
             ((x, y),) = loader.eval_batches("test", torch.arange(len(data.test)), 40)
         assert len(x) == len(y) == 32 and torch.equal(y, data.test.labels[:32])
-        assert loader.skipped == 8
+        assert loader.finish.skipped == 8
         with pytest.raises(ConfigError, match=r"^every image of a batch was unreadable .*; check the data$"):
             list(loader.eval_batches("test", torch.arange(32, 40), 40))
     finally:
@@ -486,7 +489,7 @@ def test_workers_run_below_the_training_process_priority(tmp_path):
     feed its GPU: the workers run at a lower priority (a higher niceness) than the process that started them."""
     import os
 
-    from src.data.loaders import WORKER_NICENESS
+    from src.data.fetch import WORKER_NICENESS
 
     write_tree(tmp_path / "tree", per_class=(40, 2))
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
@@ -548,7 +551,7 @@ def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path)
     import os
     import signal
 
-    from src.data.loaders import dead_workers
+    from src.data.fetch import dead_workers
 
     write_tree(tmp_path / "tree", per_class=(40, 2))
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2", "data.decode=cpu")
@@ -578,7 +581,7 @@ def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path, decode
 @pytest.mark.parametrize("share", [0, 1.5, "half"])
 def test_a_gpu_share_outside_0_to_1_is_one_line(tmp_path, share):
     write_tree(tmp_path / "tree", per_class=(4, 2))
-    with pytest.raises(ConfigError, match=r"^data.gpu_share must be a number in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"^data.gpu_share must be a number > 0 and <= 1"):
         disk_data(tmp_path, tmp_path / "tree", "data.decode=split", f"data.gpu_share={share}")
 
 
@@ -594,7 +597,7 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
         with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
             batches(data, cfg, steps, 0, decode)
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
-    with caplog.at_level(logging.WARNING, logger="src.data.disk_loader"):
+    with caplog.at_level(logging.WARNING, logger="src.data.finish"):
         ((x, y),) = batches(data, cfg, steps, 0, "gpu")
     assert len(x) == len(y) == 7
     assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
@@ -644,12 +647,12 @@ def test_split_decoding_shares_each_batch_and_gives_the_batches_of_cpu_decoding(
     loader.cuda_gpu_workers = spawn
     try:
         split = [(b.x, b.y) for b in loader.train_batches(steps, 2)]
-        asked = [torch.from_numpy(request[2]) for request in loader.gpu_requests.items]
+        asked = [torch.from_numpy(request[2]) for request in loader.requests["gpu"].items]
         evals = list(loader.eval_batches("test", torch.arange(len(data.test)), 16))
         start = loader.loaders["gpu"].multiprocessing_context.get_start_method()
     finally:
         loader.close()
-    assert loader.name == "split" and start == ("spawn" if spawn else "fork")
+    assert loader.plan.name == "decode-split" and start == ("spawn" if spawn else "fork")
     wanted = [ids[gpu_decoded(ids, 0.4)] for step in steps for ids in step.micro]
     assert len(asked) == len(wanted) and all(torch.equal(a, b) for a, b in zip(asked, wanted))
     assert 0 < sum(map(len, asked)) < len(steps) * 64  # both kinds of worker had work
@@ -685,8 +688,8 @@ def test_a_split_run_trains_like_cpu_decoding_and_records_its_share(tmp_path):
     losses = [[e["train_loss"] for e in runs[name][1]["epochs"]] for name in ("split", "cpu")]
     assert losses[0] == losses[1] and len(losses[0]) == 2
     runs = {name: (final, metrics["hparams"]) for name, (final, metrics) in runs.items()}
-    assert (runs["split"][1]["loader"], runs["split"][1]["gpu_share"]) == ("split", 0.4)
-    assert (runs["cpu"][1]["loader"], runs["cpu"][1]["gpu_share"]) == ("cpudecode", 0.0)
+    assert (runs["split"][1]["loader"], runs["split"][1]["gpu_share"]) == ("decode-split", 0.4)
+    assert (runs["cpu"][1]["loader"], runs["cpu"][1]["gpu_share"]) == ("decode-cpu-crop-device", 0.0)
 
 
 def test_split_decoding_chooses_by_sample_id_alone():

@@ -9,11 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from src.config.errors import ConfigError
-from src.data.augment import erase_and_mix, mix_draws, recipe_draws, sample_uniforms, trivial_augment
-from src.data.datasets import load_data
-from src.data.loaders import ClassicLoader, DeviceLoader, Recipe, plan_epoch
+from src.data.augment import (
+    AugmentOptions,
+    Recipe,
+    erase_and_mix,
+    mix_draws,
+    recipe_draws,
+    sample_uniforms,
+    trivial_augment,
+)
+from src.data.datasets import load_data, options_of
+from src.data.epoch import plan_epoch
 from src.run.loss import build_loss_terms, loss_terms
 from src.run.plan import plan_layout
+from tests.conftest import resident_loader, workers_loader
 
 RECIPE = Recipe(erasing=0.5, mixup_alpha=0.2, cutmix_alpha=1.0, mix_prob=0.8, switch_prob=0.5)
 
@@ -102,18 +111,20 @@ def test_mixed_loss_is_the_soft_target_cross_entropy(smoothing):
 
 @pytest.mark.parametrize("cut", [0, 3])
 def test_loaders_and_layouts_give_each_sample_the_same_recipe(cfg_factory, cut):
-    """gpu and classic loaders agree bit for bit; two ranks' micro-batches are the single device's, halved."""
+    """resident and workers loaders agree bit for bit; two ranks' micro-batches are the single device's, halved."""
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     cpu = torch.device("cpu")
     one = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
     options = dict(seed=3, cutout=cut, recipe=RECIPE)
-    device = list(DeviceLoader(data, cpu, False, **options).train_batches(one, 1))
-    classic = list(ClassicLoader(data, cpu, False, num_workers=0, **options).train_batches(one, 1))
+    device = list(resident_loader(data, cpu, False, **options).train_batches(one, 1))
+    classic = list(workers_loader(data, cpu, False, num_workers=0, **options).train_batches(one, 1))
     for a, b in zip(device, classic):
         assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and all(map(torch.equal, a.mix, b.mix))
     assert any((b.mix[1] < 1).any() for b in device)  # some samples were mixed
     ranks = [
-        list(DeviceLoader(data, cpu, True, **options).train_batches(plan_epoch(len(data.train), 16, 2, r, 1, 3, 1), 1))
+        list(
+            resident_loader(data, cpu, True, **options).train_batches(plan_epoch(len(data.train), 16, 2, r, 1, 3, 1), 1)
+        )
         for r in (0, 1)
     ]
     for whole, *halves in zip(device, *ranks):
@@ -126,8 +137,8 @@ def test_compiled_gpu_loader_mixes_like_eager(cfg_factory):
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     steps = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
     cpu = torch.device("cpu")
-    eager = list(DeviceLoader(data, cpu, True, seed=3, recipe=RECIPE).train_batches(steps, 1))
-    compiled = list(DeviceLoader(data, cpu, True, seed=3, compile=True, recipe=RECIPE).train_batches(steps, 1))
+    eager = list(resident_loader(data, cpu, True, seed=3, recipe=RECIPE).train_batches(steps, 1))
+    compiled = list(resident_loader(data, cpu, True, seed=3, compile=True, recipe=RECIPE).train_batches(steps, 1))
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c.x, e.x, rtol=0, atol=1e-6)
         assert torch.equal(c.y, e.y) and torch.equal(c.mix[0], e.mix[0]) and torch.equal(c.mix[1], e.mix[1])
@@ -137,11 +148,11 @@ def test_compiled_gpu_loader_mixes_like_eager(cfg_factory):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (("data.mixup_alpha=-1",), "data.mixup_alpha must be a number >= 0 (0 = off), got -1"),
+        (("data.mixup_alpha=-1",), "data.mixup_alpha must be a number >= 0, got -1"),
         (("data.cutmix_alpha=x",), "data.cutmix_alpha must be a number >= 0"),
-        (("data.mix_prob=1.5",), "data.mix_prob must be a probability in [0, 1], got 1.5"),
-        (("data.mix_switch_prob=-0.1",), "data.mix_switch_prob must be a probability in [0, 1]"),
-        (("data.random_erasing=2",), "data.random_erasing must be a probability in [0, 1] (0 = off), got 2"),
+        (("data.mix_prob=1.5",), "data.mix_prob must be a number >= 0 and <= 1, got 1.5"),
+        (("data.mix_switch_prob=-0.1",), "data.mix_switch_prob must be a number >= 0 and <= 1"),
+        (("data.random_erasing=2",), "data.random_erasing must be a number >= 0 and <= 1, got 2"),
         (
             ("data.mixup_alpha=0.2", "data.batch_size=30", "trainer.accumulate_grad_batches=2"),
             "= 15; pick a multiple of 4",
@@ -159,7 +170,10 @@ def test_bad_recipe_settings_are_one_line(cfg_factory, overrides, message):
 
 
 def test_recipes_are_off_by_default(cfg_factory):
-    assert not Recipe.of(cfg_factory().data).on and Recipe.of(cfg_factory("data.cutmix_alpha=1").data).mixing
+    def recipe(*overrides):
+        return Recipe.of(options_of(cfg_factory(*overrides).data, AugmentOptions))
+
+    assert not recipe().on and recipe("data.cutmix_alpha=1").mixing
 
 
 def test_trivial_augment_is_torchvisions_seeded_per_sample():
@@ -184,14 +198,14 @@ def test_trivial_augment_is_the_same_in_workers_and_for_two_ranks(cfg_factory):
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     cpu, recipe = torch.device("cpu"), Recipe(trivial=True, erasing=0.5, cutmix_alpha=1.0)
     one = plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=1, drop_last=True)
-    here = list(ClassicLoader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(one, 1))
-    workers = list(ClassicLoader(data, cpu, False, 2, seed=3, recipe=recipe).train_batches(one, 1))
-    plain = list(ClassicLoader(data, cpu, False, 0, seed=3).train_batches(one, 1))
+    here = list(workers_loader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(one, 1))
+    workers = list(workers_loader(data, cpu, False, 2, seed=3, recipe=recipe).train_batches(one, 1))
+    plain = list(workers_loader(data, cpu, False, 0, seed=3).train_batches(one, 1))
     assert all(torch.equal(a.x, b.x) for a, b in zip(here, workers))
     assert not all(torch.equal(a.x, b.x) for a, b in zip(here, plain))
     ranks = [
         list(
-            ClassicLoader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(
+            workers_loader(data, cpu, False, 0, seed=3, recipe=recipe).train_batches(
                 plan_epoch(len(data.train), 16, 2, r, 1, 3, 1), 1
             )
         )
@@ -204,8 +218,8 @@ def test_trivial_augment_is_the_same_in_workers_and_for_two_ranks(cfg_factory):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (("data.auto_augment=rand",), "data.auto_augment must be none or trivial"),
-        (("data.auto_augment=trivial", "data.loader=gpu"), "not in data.loader=gpu; use data.loader=classic"),
+        (("data.auto_augment=rand",), "data.auto_augment must be one of none, trivial"),
+        (("data.auto_augment=trivial", "data.loader=resident"), "not in data.loader=resident; use data.loader=workers"),
         (
             ("data=shards", "data.root=/nowhere", "data.auto_augment=trivial", "data.decode=gpu"),
             "set data.decode=cpu (or auto) and data.crop=workers (or auto)",
@@ -220,7 +234,7 @@ def test_trivial_augment_where_it_cannot_run_is_one_line(cfg_factory, overrides,
 
 def test_trivial_augment_on_images_read_from_disk(tmp_path):
     """Decoded and cropped on the CPU, then augmented in the workers: 0 or 2 workers, one rank or two, agree."""
-    from src.data.loader_choice import build_loader
+    from src.data.loaders import build_loader
     from tests.data.test_decode import CPU, disk_data, write_tree
 
     write_tree(tmp_path / "tree", per_class=(24, 2))

@@ -20,8 +20,8 @@ import torchvision
 from src.config.errors import ConfigError
 from src.data import shards
 from src.data.datasets import load_data
-from src.data.loader_choice import build_loader
-from src.data.loaders import plan_epoch
+from src.data.epoch import plan_epoch
+from src.data.loaders import build_loader
 from src.run.trainer import train
 from tests.conftest import ROOT, make_cfg, run_cli
 from tests.data.test_decode import pil_rgb, write_tree

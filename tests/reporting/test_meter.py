@@ -48,19 +48,20 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
 @pytest.mark.parametrize(
     "loader, workers, from_disk, wait, says",
     [  # the rows of bench/results/resnet50-split-loop_2xh200_2026-11-27.md, and the loaders it did not measure
-        ("classic", 4, True, 0.68, "only 4 CPU workers per process decode: try data.decode=split"),
-        ("classic", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
-        ("classic", 15, True, 0.25, "or data.crop=device (the workers only decode and cut the crops"),
-        ("cpudecode", 15, True, 0.30, "--max-side 256"),
-        ("split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
-        ("split", 4, True, 0.31, "give each GPU more CPUs"),
-        ("gpudecode", 3, True, 0.87, "decode them on the CPU (data.decode=cpu)"),
-        ("classic", 8, False, 0.40, "data.loader=gpu"),
-        ("classic", 0, True, 0.90, "data.num_workers=auto starts a worker per CPU"),
-        ("gpudecode", 0, True, 0.90, "data.num_workers=0 decodes in the training process"),
-        ("classic", 15, True, 0.06, None),  # 0.95x the ceiling: nothing to change
-        ("gpu", 0, False, 0.50, None),  # the gpu loader's wait is its augmentation kernels
+        ("decode-cpu", 4, True, 0.68, "only 4 CPU workers per process decode: try data.decode=split"),
+        ("decode-cpu", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
+        ("decode-cpu", 15, True, 0.25, "or data.crop=device (the workers only decode and cut the crops"),
+        ("decode-cpu-crop-device", 15, True, 0.30, "--max-side 256"),
+        ("decode-split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
+        ("decode-split", 4, True, 0.31, "give each GPU more CPUs"),
+        ("decode-gpu", 3, True, 0.87, "decode them on the CPU (data.decode=cpu)"),
+        ("workers", 8, False, 0.40, "data.loader=resident"),
+        ("decode-cpu", 0, True, 0.90, "data.num_workers=auto starts a worker per CPU"),
+        ("decode-gpu", 0, True, 0.90, "data.num_workers=0 decodes in the training process"),
+        ("decode-cpu", 15, True, 0.06, None),  # 0.95x the ceiling: nothing to change
+        ("resident", 0, False, 0.50, None),  # the resident loader's wait is its augmentation kernels
         ("mine", 4, True, 0.50, None),  # a loader it does not know: no advice
+        ("classic", 8, True, 0.40, None),  # a name from before LoaderPlan: no advice
     ],
 )
 def test_a_data_bound_gpu_run_ends_with_what_to_change(loader, workers, from_disk, wait, says):

@@ -303,16 +303,17 @@ def test_cutout_matches_a_per_image_reference():
 
 
 @pytest.mark.parametrize("cut,pad_mode", [(0, "zeros"), (5, "zeros"), (0, "reflect")])
-def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut, pad_mode):
-    from src.data.loaders import ClassicLoader, DeviceLoader, plan_epoch
+def test_resident_and_workers_loaders_yield_identical_batches(cfg_factory, cut, pad_mode):
+    from src.data.epoch import plan_epoch
+    from tests.conftest import resident_loader, workers_loader
 
     cfg = cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100")
     data = load_data(cfg.data)
     steps = plan_epoch(len(data.train), 16, 1, 0, 2, seed=3, epoch=1)
     cpu = torch.device("cpu")
-    a = list(DeviceLoader(data, cpu, False, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
+    a = list(resident_loader(data, cpu, False, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1))
     b = list(
-        ClassicLoader(data, cpu, False, num_workers=2, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1)
+        workers_loader(data, cpu, False, num_workers=2, seed=3, cutout=cut, pad_mode=pad_mode).train_batches(steps, 1)
     )
     assert len(a) == len(b) == 2 * len(steps)
     for x, y in zip(a, b):
@@ -323,7 +324,7 @@ def test_gpu_and_classic_loaders_yield_identical_batches(cfg_factory, cut, pad_m
 
 @pytest.mark.parametrize("pad_mode", ["zeros", "reflect"])
 def test_compiled_gpu_loader_augments_exactly_like_eager(cfg_factory, pad_mode):
-    """trainer.compile also compiles the gpu loader's augmentation: same pixels, same layout."""
+    """trainer.compile also compiles the resident loader's augmentation: same pixels, same layout."""
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     assert_compiled_loader_augments_like_eager(
         data, torch.device("cpu"), batch=16, seed=3, epoch=1, cutout=5, pad_mode=pad_mode
@@ -349,12 +350,15 @@ def test_normalize_lookup_equals_the_arithmetic():
 
 def test_gpu_loader_prepared_ahead_yields_the_same_batches(cfg_factory):
     """The next epoch is prepared while the device runs the last one; a stale preparation is never used."""
-    from src.data.loaders import DeviceLoader, plan_epoch
+    from src.data.epoch import plan_epoch
+    from tests.conftest import resident_loader
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     plans = {e: plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=e) for e in (1, 2)}
-    fresh = {e: list(DeviceLoader(data, torch.device("cpu"), False, seed=3).train_batches(plans[e], e)) for e in (1, 2)}
-    loader = DeviceLoader(data, torch.device("cpu"), False, seed=3)
+    fresh = {
+        e: list(resident_loader(data, torch.device("cpu"), False, seed=3).train_batches(plans[e], e)) for e in (1, 2)
+    }
+    loader = resident_loader(data, torch.device("cpu"), False, seed=3)
     loader.prepare(plans[2], 2)
     stale = list(loader.train_batches(plans[1], 1))  # prepared for epoch 2: epoch 1 must not use it
     loader.prepare(plans[2], 2)
@@ -398,28 +402,29 @@ def test_objective_compiled_equals_eager_and_reference():
         torch.testing.assert_close(metrics[0], reference.double())
 
 
-def test_classic_loader_workers_are_gone_when_train_returns(cfg_factory):
+def test_workers_loader_workers_are_gone_when_train_returns(cfg_factory):
     import multiprocessing
 
     before = set(multiprocessing.active_children())
-    metrics = train(cfg_factory("data.loader=classic", "data.num_workers=2"))
+    metrics = train(cfg_factory("data.loader=workers", "data.num_workers=2"))
     assert metrics["test_count"] == 360
     assert set(multiprocessing.active_children()) - before == set()
 
 
-def test_classic_loader_starts_the_next_epoch_during_the_evaluation(cfg_factory):
+def test_workers_loader_starts_the_next_epoch_during_the_evaluation(cfg_factory):
     """In-memory data with workers: each split has workers of its own, so the next epoch's pass, started by
     prepare(), outlives the evaluation between and gives the batches a fresh loader gives."""
-    from src.data.loaders import ClassicLoader, plan_epoch
+    from src.data.epoch import plan_epoch
+    from tests.conftest import workers_loader
 
     data = load_data(cfg_factory("data=synthetic", "data.augment=crop_flip", "data.num_samples=100").data)
     plans = {e: plan_epoch(len(data.train), 16, 1, 0, 1, seed=3, epoch=e) for e in (0, 1)}
-    fresh = ClassicLoader(data, torch.device("cpu"), False, 2, seed=3)
+    fresh = workers_loader(data, torch.device("cpu"), False, 2, seed=3)
     try:
         want = [b.x for b in fresh.train_batches(plans[1], 1)]
     finally:
         fresh.close()
-    loader = ClassicLoader(data, torch.device("cpu"), False, 2, seed=3)
+    loader = workers_loader(data, torch.device("cpu"), False, 2, seed=3)
     try:
         list(loader.train_batches(plans[0], 0))
         loader.prepare(plans[1], 1, [("val", torch.arange(len(data.val)), 16)])
@@ -433,7 +438,7 @@ def test_classic_loader_starts_the_next_epoch_during_the_evaluation(cfg_factory)
 
 
 def test_plan_splits_each_global_batch_across_ranks_and_micro_steps():
-    from src.data.loaders import plan_epoch
+    from src.data.epoch import plan_epoch
 
     single = plan_epoch(103, 20, 1, 0, 1, seed=1, epoch=0)
     ranks = [plan_epoch(103, 20, 2, r, 2, seed=1, epoch=0) for r in range(2)]
@@ -514,9 +519,9 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
             ("strategy=ddp", "trainer.devices=2", "strategy.comm_hook=int8"),
             "strategy.comm_hook must be one of none, fp16, bf16",
         ),
-        (("data.cutout=-1",), "data.cutout must be a side length in pixels"),
+        (("data.cutout=-1",), "data.cutout must be an integer >= 0"),
         (("data.cutout=4",), "data.cutout=4 needs data.augment=crop_flip, got 'none'"),
-        (("data.pad_mode=mirror",), "data.pad_mode must be zeros or reflect, got 'mirror'"),
+        (("data.pad_mode=mirror",), "data.pad_mode must be one of zeros, reflect, got 'mirror'"),
         (("trainer.tta_shift=-1",), "trainer.tta_shift must be an integer >= 0"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
         (
@@ -546,14 +551,14 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
 def test_data_errors(tmp_path, cfg_factory):
     from PIL import Image
 
-    from src.data.loader_choice import build_loader
+    from src.data.loaders import build_loader
 
     # imagefolder's augment=auto becomes random_resized_crop for large images: found when the data is read
     cfg = cfg_factory("data=imagefolder", f"data.root={tmp_path}/big", "data.cutout=4", "data.val_fraction=0")
     for split in ("train", "test"):
         (tmp_path / f"big/{split}/a").mkdir(parents=True)
         Image.new("RGB", (96, 96)).save(tmp_path / f"big/{split}/a/0.png")
-    with pytest.raises(ConfigError, match="data.cutout=4 needs the crop_flip augmentation"):
+    with pytest.raises(ConfigError, match="data.cutout=4 needs data.augment=crop_flip, got 'random_resized_crop'"):
         build_loader(load_data(cfg.data), cfg.data, torch.device("cpu"), False, 0)
     with pytest.raises(ConfigError, match="does not exist"):
         load_data(cfg_factory("data=imagefolder", f"data.root={tmp_path}/missing").data)
@@ -599,11 +604,11 @@ def test_no_validation_split_keeps_the_last_epoch_and_tracks_test_every_epoch(tm
 
 
 def test_compiled_loop_trains_like_eager(cfg_factory, tmp_path):
-    """trainer.compile compiles the model, the objective and the gpu loader's augmentation (here on CPU)."""
+    """trainer.compile compiles the model, the objective and the resident loader's augmentation (here on CPU)."""
     common = (
         "data=synthetic",
         "data.augment=crop_flip",
-        "data.loader=gpu",
+        "data.loader=resident",
         "data.cutout=4",
         "trainer.label_smoothing=0.1",
         "scheduler=constant",

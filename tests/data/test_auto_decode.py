@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from src.data.decode_choice import MIN_CPU_WORKERS, auto_decode
+from src.data.loader_plan import MIN_CPU_WORKERS, auto_decode
 
 
 @pytest.mark.parametrize(

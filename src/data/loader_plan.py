@@ -1,0 +1,192 @@
+"""Where a run's images live, decode and get cropped, resolved once from data.loader, data.decode, data.crop,
+data.gpu_share and data.num_workers with the device and the dataset: the `LoaderPlan` that src/data/loaders.py
+builds and every report names."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+
+from src.config.errors import ConfigError
+from src.config.schema import NonNegative, Range
+
+log = logging.getLogger(__name__)
+
+# data.num_workers=auto: a CPU worker per CPU (at most 16); GPU-decoding workers each hold a CUDA context, and 3
+# fed an H100 best (docs/data.md)
+AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
+# data.decode=auto decodes on the CPU from this many workers per GPU: the model and nvjpeg share a GPU, so GPU
+# decoding held ResNet-50 at 0.69x its ceiling where 15 CPU workers gave 0.97x and 4 gave 0.45x
+# (bench/results/decode-default_4xh200_2026-11-28.md)
+MIN_CPU_WORKERS = 6
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The data group's loader options (conf/data_common.yaml; decode and after: images read from disk)."""
+
+    loader: Literal["auto", "resident", "workers"]  # resident: the dataset in device memory; workers: DataLoader
+    num_workers: Literal["auto"] | Annotated[int, NonNegative]
+    decode: Literal["auto", "gpu", "cpu", "split"] = "auto"
+    gpu_share: Annotated[float, Range(0, 1, open_lo=True)] = 0.5  # decode=split: the share decoded on the GPU
+    crop: Literal["auto", "workers", "device"] = "auto"
+    skip_bad_images: bool = False
+
+    def check(self, trivial: bool) -> None:
+        """The combinations that cannot run, refused before any process starts. TrivialAugment runs per image in
+        the CPU workers, after their crops."""
+        if trivial and self.loader == "resident":
+            raise ConfigError(
+                "data.auto_augment=trivial runs per image in the CPU workers, not in data.loader=resident; "
+                "use data.loader=workers (or auto)"
+            )
+        if trivial and (self.decode in ("gpu", "split") or self.crop == "device"):
+            raise ConfigError(
+                f"data.auto_augment=trivial runs in the CPU workers after their crops, not with "
+                f"data.decode={self.decode} data.crop={self.crop}; set data.decode=cpu (or auto) and "
+                "data.crop=workers (or auto)"
+            )
+        if self.decode in ("gpu", "split") and self.crop == "workers":
+            raise ConfigError(
+                f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={self.decode}) "
+                "are cropped by the training process; use data.crop=device (or auto)"
+            )
+
+
+@dataclass(frozen=True)
+class LoaderPlan:
+    """How batches are made. resident: the dataset lives in device memory and is augmented there, no workers.
+    Else `workers` DataLoader processes fetch each batch; images read from disk are decoded (`decode`) on their
+    CPUs (cpu), on the GPU (gpu), or both, each batch's `gpu_share` by `gpu_workers` more workers (split), and
+    cropped by the workers or, `crop_on_device`, by the training process."""
+
+    resident: bool = False
+    from_disk: bool = False  # each batch read (and decoded) from files
+    decode: Literal["cpu", "gpu", "split"] | None = None  # None: the dataset gives pixels
+    crop_on_device: bool = False
+    workers: int = 0
+    gpu_share: float = 0.0
+    gpu_workers: int = 0
+
+    @property
+    def name(self) -> str:
+        """What runs report (hparams `loader`): resident, workers, decode-cpu, decode-cpu-crop-device, decode-gpu
+        or decode-split."""
+        if self.resident:
+            return "resident"
+        if self.decode is None:
+            return "workers"
+        cropped = "-crop-device" if self.decode == "cpu" and self.crop_on_device else ""
+        return f"decode-{self.decode}{cropped}"
+
+
+def resolve_plan(
+    options: LoaderOptions,
+    device: torch.device,
+    in_memory: bool,
+    encoded: bool,
+    trivial: bool,
+    local_processes: int = 1,
+) -> LoaderPlan:
+    """The one place the auto choices are made. in_memory: the dataset is uint8 tensors; encoded: its splits are
+    encoded images read from disk (src/data/decode.py); else a builder's own Dataset. trivial: TrivialAugment,
+    which runs in CPU workers. local_processes: the training processes of this node (num_workers=auto shares
+    its CPUs among them)."""
+    loader = options.loader
+    if loader == "auto":
+        loader = "resident" if in_memory and device.type == "cuda" and not trivial else "workers"
+    if loader == "resident":
+        if not in_memory:
+            raise ConfigError(
+                "data.loader=resident needs a dataset that fits in memory; use data.loader=workers "
+                "(data.decode=gpu decodes images read from disk on the GPU) or raise data.max_memory_gb"
+            )
+        return LoaderPlan(resident=True)
+    if not encoded:
+        if trivial and not in_memory:  # a builder's own Dataset: its workers do not augment
+            raise ConfigError(
+                "data.auto_augment=trivial runs in the workers of in-memory data, ImageFolders and shards, not in "
+                "a data builder's own on-disk Dataset; set data.auto_augment=none"
+            )
+        workers = resolve_workers(options.num_workers, device, in_memory, False, local_processes)
+        return LoaderPlan(from_disk=not in_memory, workers=workers)
+    decode = options.decode
+    if decode == "auto":
+        cpu_workers = options.num_workers
+        if cpu_workers == "auto":
+            cpu_workers = auto_workers(local_processes, AUTO_CPU_WORKERS)
+        cpu_only = (
+            "data.auto_augment=trivial" if trivial else "data.crop=workers" if options.crop == "workers" else None
+        )
+        decode, why = auto_decode(device.type, cpu_workers, cpu_only)
+        log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
+    on_gpu = decode == "gpu"
+    split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
+    workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
+    if on_gpu and device.type == "cuda" and not workers:
+        log.warning(
+            "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
+            "behind the step's kernels (~25x slower on an H100); set data.num_workers=3"
+        )
+    return LoaderPlan(
+        from_disk=True,
+        decode="split" if split else "gpu" if on_gpu else "cpu",
+        crop_on_device=on_gpu or split or options.crop == "device",
+        workers=workers,
+        gpu_share=options.gpu_share if split else 0.0,
+        gpu_workers=AUTO_GPU_DECODING_WORKERS if split else 0,
+    )
+
+
+def cpus_of_this_process(local_processes: int) -> int:
+    """The CPUs this training process may use. The training processes of a node share its CPUs unless the
+    launcher bound each to its own (e.g. SLURM's --cpus-per-task: an affinity no larger than one process's share)."""
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
+    if local_processes > 1 and mine > (os.cpu_count() or mine) // local_processes:
+        return max(1, mine // local_processes)
+    return mine
+
+
+def resolve_workers(
+    value, device: torch.device, in_memory: bool, decode_on_device: bool, local_processes: int, split: bool = False
+) -> int:
+    """data.num_workers: an integer as given; auto: this process's CPUs but one (left to it), at most
+    AUTO_CPU_WORKERS (AUTO_GPU_DECODING_WORKERS when the workers decode on the GPU); none for data in memory on a
+    CPU device, where workers would take the cores the training step runs on. split (data.decode=split): the CPU
+    workers, beside AUTO_GPU_DECODING_WORKERS that decode on the GPU and take CPUs too."""
+    if value != "auto":
+        return value
+    if in_memory and device.type == "cpu":
+        return 0
+    beside = AUTO_GPU_DECODING_WORKERS if split else 0  # they take CPUs too (file reads, nvjpeg's host stage)
+    cap = AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS
+    workers = max(1 if split else 0, auto_workers(local_processes, cap, beside))
+    also = f" and {beside} decoding on the GPU" if split else ""
+    log.info(
+        "data.num_workers=auto: %d DataLoader workers%s (%d CPUs for this process, one kept for it)",
+        workers,
+        also,
+        cpus_of_this_process(local_processes),
+    )
+    return workers
+
+
+def auto_workers(local_processes: int, cap: int, beside: int = 0) -> int:
+    """data.num_workers=auto: this process's CPUs but one (left to it) and `beside` (other workers), at most cap."""
+    return max(0, min(cpus_of_this_process(local_processes) - 1 - beside, cap))
+
+
+def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None) -> tuple[str, str]:
+    """data.decode=auto: (decode, the reason in a few words). cpu_workers: the DataLoader workers this process gets
+    when they decode; cpu_only: an option that needs the CPU workers to decode (its name), if any."""
+    if device_type != "cuda":
+        return "cpu", "no GPU"
+    if cpu_only:
+        return "cpu", f"{cpu_only} runs in the CPU workers"
+    if cpu_workers >= MIN_CPU_WORKERS:
+        return "cpu", f"{cpu_workers} CPU workers per GPU decode faster than the GPU beside the model"
+    return "gpu", f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS}) decode slower than the GPU"
