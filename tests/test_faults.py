@@ -112,11 +112,14 @@ def test_resuming_a_finished_checkpoint_into_a_new_dir_tests_its_best_weights(fi
 
 
 def test_a_checkpoint_written_before_the_package_split_still_resumes(finished_run, tmp_path):
-    state = torch.load(finished_run / "checkpoints/last.pt", weights_only=True)
-    state["config"]["data"]["_target_"] = "src.datasets.load_digits_data"  # where the code lived then
-    state["config"]["scheduler"]["_target_"] = state["config"]["scheduler"]["_target_"].replace("src.run.", "src.")
-    torch.save(state, tmp_path / "old.pt")
-    proc = run_cli("debug=fast", f"trainer.resume={tmp_path / 'old.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    (tmp_path / "old").mkdir()
+    for name in ("last.pt", "best.pt"):  # the final figures are the best epoch's
+        state = torch.load(finished_run / "checkpoints" / name, weights_only=True)
+        state["config"]["data"]["_target_"] = "src.datasets.load_digits_data"  # where the code lived then
+        scheduler = state["config"]["scheduler"]
+        scheduler["_target_"] = scheduler["_target_"].replace("src.run.", "src.")
+        torch.save(state, tmp_path / "old" / name)
+    proc = run_cli("debug=fast", f"trainer.resume={tmp_path / 'old/last.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_metrics(tmp_path / "run")["final"]["test_top1"] == read_metrics(finished_run)["final"]["test_top1"]
 
@@ -252,7 +255,7 @@ BAD_VALUES = [
     ("data.batch_size=0", "data.batch_size must be a positive integer, got 0"),
     ("data.batch_size=abc", "data.batch_size must be a positive integer, got 'abc'"),
     ("data.eval_batch_size=0", "data.eval_batch_size must be a positive integer, got 0"),
-    ("data.val_fraction=null", "data.val_fraction must be a number in [0, 1), got None"),
+    ("data.val_fraction=null", "data.val_fraction must be a number >= 0 and < 1, got None"),
     ("+logger.tensorboard.bogus=1", "logger.tensorboard.bogus is not an option of logger.tensorboard"),
     ("seed=1.5", "seed must be an integer >= 0 and <= 4294967295, got 1.5"),
     ("seed=null", "seed must be an integer >= 0 and <= 4294967295, got None"),

@@ -25,6 +25,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
+from src.config.commands import module_command, train_command
 from src.config.errors import ConfigError
 from src.config.renamed import RENAMED_VALUES
 from src.config.schema import Fraction, Positive, PositiveReal, Range, check_value, declared, refuse_lookalikes
@@ -444,6 +445,7 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
             name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
             for name, ds in base.items()
         }
+        _suggest_packing(root, [path for path, _ in base["train"].samples], max(h, w))
         return disk_bundle(cfg, files, classes, (h, w), augment)
     splits = {}
     for name, ds in base.items():
@@ -452,6 +454,38 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
     train, val, test = _train_val_test(splits, cfg.val_fraction)
     mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
     return DataBundle(cfg.name, train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
+
+
+PACK_SIDE = 256  # the shorter side `shards pack --max-side` re-encodes to for crops up to 224 px
+
+
+def _suggest_packing(root: Path, train: list[str], crop: int, sample: int = 16) -> None:
+    """Images read from disk are decoded every epoch, at a cost that grows with their pixels: where a folder's
+    images are much larger than the crops need, one line says how to pack them smaller (a core decodes 256-px
+    JPEGs ~2.8x faster than ~375-px ones)."""
+    from PIL import Image
+
+    if crop > 224 or not train:
+        return
+    sides = []
+    for path in train[:: max(1, len(train) // sample)][:sample]:
+        try:
+            with Image.open(path) as img:  # the header only
+                sides.append(min(img.size))
+        except Exception:  # an unreadable file is the loader's to report
+            continue
+    if not sides or sorted(sides)[len(sides) // 2] <= 1.25 * PACK_SIDE:
+        return
+    packed = f"{root}-shards{PACK_SIDE}"
+    log.info(
+        "%s holds images of ~%d px on the shorter side, decoded every epoch; packed to %d px they decode ~2.8x "
+        "faster: %s, then %s",
+        root,
+        sorted(sides)[len(sides) // 2],
+        PACK_SIDE,
+        module_command("src.data.shards", "pack", root, packed, "--max-side", PACK_SIDE),
+        train_command(("data", "shards"), ("data.root", packed)),
+    )
 
 
 def _resolve_augment(augment: str, h: int, w: int) -> str:

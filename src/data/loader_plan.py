@@ -123,7 +123,8 @@ def resolve_plan(
             "data.auto_augment=trivial" if trivial else "data.crop=workers" if options.crop == "workers" else None
         )
         decode, why = auto_decode(device.type, cpu_workers, cpu_only)
-        log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
+        if device.type == "cuda":  # where there is a choice
+            log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
     on_gpu = decode == "gpu"
     split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
     workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
