@@ -609,7 +609,7 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
         "pass_start_sec": pass_start,
         "seconds": seconds,
         "images": timed,
-        "workers": loader.num_workers,
+        "workers": loader.plan.workers,
         "loader_name": loader.plan.name,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "gpu_count": torch.cuda.device_count(),

@@ -103,10 +103,10 @@ def data_wait(m: dict) -> str:
 
 
 # When the GPU waits for data this long, the final line names a remedy. The thresholds are measured (ResNet-50 from
-# the 256-px shards, 2 x H200, bench/results/resnet50-split-loop_2xh200_2026-11-27.md): data.decode=split fed 2.1x
-# CPU decoding with 4 CPU workers per GPU; CPU decoding was the faster from 8 workers on.
+# the 256-px shards, bench/results/decode-default_4xh200_2026-11-28.md and resnet50-split-loop_2xh200_2026-11-27.md):
+# with 4 CPU workers per GPU, decoding on the GPU fed 1.5x CPU decoding; CPU decoding was the faster from 8 on.
 DATA_BOUND_GPU_WAIT = 0.2
-SPLIT_HELPS_BELOW_WORKERS = 6
+FEW_CPU_WORKERS = 6  # below it, data.decode=auto decodes on the GPU (src/data/loader_plan.py MIN_CPU_WORKERS)
 # the loaders whose DataLoader workers make the batches (LoaderPlan.name in src/data/loader_plan.py)
 WORKER_LOADERS = ("workers", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split")
 RECIPE = "docs/data.md: 'Recipe: an ImageNet-style folder at GPU speed'"
@@ -124,14 +124,14 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
         fix = "data.loader=resident keeps the data on the GPU and augments it there"
     elif workers == 0:
         fix = "data.num_workers=0 decodes in the training process; data.num_workers=auto starts a worker per CPU"
-    elif loader == "decode-split" and workers >= SPLIT_HELPS_BELOW_WORKERS:
+    elif loader == "decode-split" and workers >= FEW_CPU_WORKERS:
         fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
     elif loader == "decode-split":
         fix = more_cpus
     elif loader == "decode-gpu":
-        fix = f"{smaller} and decode them on the CPU (data.decode=cpu) with a worker per CPU"
-    elif workers < SPLIT_HELPS_BELOW_WORKERS:
-        fix = f"only {workers} CPU workers per process decode: try data.decode=split (2.1x at 4), or {more_cpus}"
+        fix = f"{more_cpus}: from 6 CPU workers per GPU, data.decode=auto decodes on the CPU; and {smaller}"
+    elif workers < FEW_CPU_WORKERS:
+        fix = f"only {workers} CPU workers per process decode: try data.decode=gpu (1.5x at 4), or {more_cpus}"
     elif loader == "decode-cpu":
         only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
         fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"

@@ -455,7 +455,7 @@ class Trainer:
                 resume = f", then resume with: {command}" if self.cfg.train else ""
                 exc = WorkerDied(
                     f"{str(exc).splitlines()[0].rstrip('. ')}: a data loading worker died (often the host's "
-                    f"out-of-memory killer); lower data.num_workers (now {self.loader.num_workers}) "
+                    f"out-of-memory killer); lower data.num_workers (now {self.loader.plan.workers}) "
                     f"or data.batch_size{resume}"
                 )
             if type(exc) not in STOPPED:

@@ -24,7 +24,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """A single run's full checkpoint and an fsdp run's sharded one."""
     root, out = tmp_path_factory.mktemp("export"), {}
     for name, args in {"single": [], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}.items():
-        proc = run_cli("debug=fast", "model=resnet9", "data=synthetic", *args, f"hydra.run.dir={root / name}")
+        small = ("data.num_samples=512", "data.num_test=64", "trainer.max_epochs=1")  # weights to export, no more
+        proc = run_cli("debug=fast", "model=resnet9", "data=synthetic", *small, *args, f"hydra.run.dir={root / name}")
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[name] = root / name / "checkpoints" / ("best.pt" if name == "single" else "best")
     return out

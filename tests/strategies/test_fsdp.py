@@ -388,7 +388,7 @@ def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straig
     exported = torch.load(out, weights_only=True)
     # the same tensors as single reads from the shards through DCP
     single = Single()
-    single.wrap(TinyCNN(10, 1, width=16, batch_norm=False), Context(torch.device("cpu"), False, torch.bfloat16))
+    single.wrap(TinyCNN(10, 1, width=64, batch_norm=False), Context(torch.device("cpu"), False, torch.bfloat16))
     state = single.load_checkpoint(best)
     assert_same(exported["model"], single.core.state_dict(), rtol=0, atol=0)
     assert exported["epoch"] == state["epoch"] and exported["optimizer"]["state"]
