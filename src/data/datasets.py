@@ -474,14 +474,15 @@ def _suggest_packing(root: Path, train: list[str], crop: int, sample: int = 16) 
                 sides.append(min(img.size))
         except Exception:  # an unreadable file is the loader's to report
             continue
-    if not sides or sorted(sides)[len(sides) // 2] <= 1.25 * PACK_SIDE:
+    side = sorted(sides)[len(sides) // 2] if sides else 0  # the median
+    if side <= 1.25 * PACK_SIDE:
         return
     packed = f"{root}-shards{PACK_SIDE}"
     log.info(
         "%s holds images of ~%d px on the shorter side, decoded every epoch; packed to %d px they decode ~2.8x "
         "faster: %s, then %s",
         root,
-        sorted(sides)[len(sides) // 2],
+        side,
         PACK_SIDE,
         module_command("src.data.shards", "pack", root, packed, "--max-side", PACK_SIDE),
         train_command(("data", "shards"), ("data.root", packed)),

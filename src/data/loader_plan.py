@@ -135,7 +135,7 @@ def resolve_plan(
         )
     return LoaderPlan(
         from_disk=True,
-        decode="split" if split else "gpu" if on_gpu else "cpu",
+        decode=decode,
         crop_on_device=on_gpu or split or options.crop == "device",
         workers=workers,
         gpu_share=options.gpu_share if split else 0.0,
