@@ -124,7 +124,7 @@ def _worker(config: dict) -> dict:
     # a plain SIGTERM, fatal here, stays the agent's (it stops the survivors of a failed group)
     os.setpgid(0, 0)
     hold_as_rank(config["paths"]["output_dir"])  # a new launch into this dir waits until every rank has gone
-    orphaned = _exit_if_orphaned()
+    orphan_watch = _OrphanWatch()
     # tqdm would take a multiprocessing lock (a named semaphore in a spawned process), leaked with a warning at
     # exit whenever the agent stops a rank; ranks never share a bar, a thread lock does
     tqdm.set_lock(threading.RLock())
@@ -142,26 +142,40 @@ def _worker(config: dict) -> dict:
             raise
         return {"stopped": exc.code - 128, "saved": True}  # rank 0 has said where and how to resume
     finally:
-        if orphaned.is_set():  # no launcher to hand a result to: torch's wrapper would wait for it forever
-            logging.shutdown()
-            os._exit(128 + signal.SIGTERM)
+        orphan_watch.finished()
 
 
-def _exit_if_orphaned(every: float = 0.5, grace: float = 60.0) -> threading.Event:
+class _OrphanWatch:
     """A rank whose launcher died (SIGKILL, OOM) stops as if told to: it checkpoints at the next agreed step and
-    exits; one that has not exited `grace` seconds later is ended. The returned event is set once orphaned."""
-    parent, orphaned = os.getppid(), threading.Event()
+    exits, `grace` seconds at most after the launcher's death. torch's spawn wrapper also turns that death into
+    a SIGINT, which can stop the rank before it is re-parented: a rank done before it sees itself orphaned exits
+    as soon as it does, instead of waiting for the launcher to take its result."""
 
-    def watch() -> None:
-        while os.getppid() == parent:
+    def __init__(self, every: float = 0.5, grace: float = 60.0):
+        self.parent, self.done = os.getppid(), threading.Event()
+        threading.Thread(target=self._watch, args=(every, grace), name="ddplab-orphan-watch", daemon=True).start()
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.parent
+
+    def finished(self) -> None:
+        """This rank's work is over: with no launcher to hand its result to, exit (torch's wrapper would wait)."""
+        self.done.set()
+        if self.orphaned():
+            self._exit()
+
+    def _watch(self, every: float, grace: float) -> None:
+        while not self.orphaned():
             time.sleep(every)
-        orphaned.set()
-        os.kill(os.getpid(), carrier(signal.SIGTERM))  # as the launcher forwards a SIGTERM
-        time.sleep(grace)
-        os._exit(128 + signal.SIGTERM)
+        if not self.done.is_set():
+            os.kill(os.getpid(), carrier(signal.SIGTERM))  # as the launcher forwards a SIGTERM
+            self.done.wait(grace)
+        self._exit()
 
-    threading.Thread(target=watch, name="ddplab-orphan-watch", daemon=True).start()
-    return orphaned
+    @staticmethod
+    def _exit() -> None:
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
 
 
 # they log a failed rank with the agent's own traceback: RankFailed says which rank failed and where its log is

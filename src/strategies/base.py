@@ -17,18 +17,19 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from src.config.errors import ConfigError
 from src.state import checkpoint as ckpt
 from src.strategies.blocks import shard_targets
 from src.strategies.ema import EMA
+
+
+def _dcp():
+    """torch's state-dict helpers, imported on first use: they pull in DTensor (~0.7 s of imports) that a
+    launcher or a refused run never needs."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 @dataclass
@@ -131,14 +132,16 @@ class Strategy:
 
     def state_dict(self, optimizer) -> tuple[dict, dict]:
         """Unsharded model and optimizer state keyed by parameter name (collective under fsdp)."""
-        return get_state_dict(self.core, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _dcp().get_state_dict(
+            self.core, optimizer, options=_dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None, strict=True) -> None:
-        options = StateDictOptions(full_state_dict=True, strict=strict)
+        options = _dcp().StateDictOptions(full_state_dict=True, strict=strict)
         if optimizer is None:
-            set_model_state_dict(self.core, model_state, options=options)
+            _dcp().set_model_state_dict(self.core, model_state, options=options)
         else:
-            set_state_dict(
+            _dcp().set_state_dict(
                 self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
             )
 
@@ -153,9 +156,9 @@ class Strategy:
     def ema_state(self, full: bool) -> dict:
         """The EMA as a state dict keyed as the model's (`full`: gathered to rank 0's CPU, else this rank's
         shards); collective under fsdp. The model holds the average while torch's helper reads it."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
+        options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
         with self.ema.swapped():  # copies: the helper may return the model's own tensors
-            return {k: v.clone() for k, v in get_model_state_dict(self.core, options=options).items()}
+            return {k: v.clone() for k, v in _dcp().get_model_state_dict(self.core, options=options).items()}
 
     def load_checkpoint(self, path, optimizer=None, head: set[str] = frozenset()) -> dict:
         """Load a checkpoint of either format into the model (and `optimizer`); return the rest of its state.
@@ -164,7 +167,7 @@ class Strategy:
         count); the returned state lists them as `new_head`."""
         path = Path(path)
         state = ckpt.load(path)
-        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.core).items()}  # no gather
+        shapes = {k: tuple(v.shape) for k, v in _dcp().get_model_state_dict(self.core).items()}  # no gather
         saved = ckpt.saved_shapes(path, state)
         new = sorted(k for k in head if k in saved and k in shapes and saved[k] != shapes[k])
         advice = "use the model= it was trained with" if head else ckpt.RESUME_ADVICE
@@ -194,20 +197,20 @@ class Strategy:
 
     def _load_sharded(self, path: Path, optimizer, new: list[str], weights: str, resumed_average: bool) -> None:
         if optimizer is None:
-            tensors = {weights: get_model_state_dict(self.core)}
+            tensors = {weights: _dcp().get_model_state_dict(self.core)}
         else:  # torch fills a fresh optimizer's state with placeholders for DCP to load into
-            tensors = dict(zip(("model", "optimizer"), get_state_dict(self.core, optimizer)))
+            tensors = dict(zip(("model", "optimizer"), _dcp().get_state_dict(self.core, optimizer)))
         if resumed_average:  # copies to load into: the model's own tensors are the raw weights' destination
-            tensors["ema"] = {k: v.clone() for k, v in get_model_state_dict(self.core).items()}
+            tensors["ema"] = {k: v.clone() for k, v in _dcp().get_model_state_dict(self.core).items()}
         tensors[weights] = {k: v for k, v in tensors[weights].items() if k not in new}  # DCP reads only these
         with warnings.catch_warnings():  # one process (no process group) reading it is intended
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             ckpt.dcp_load(tensors, path)
-        options = StateDictOptions(strict=not new)
+        options = _dcp().StateDictOptions(strict=not new)
         if optimizer is None:
-            set_model_state_dict(self.core, tensors[weights], options=options)
+            _dcp().set_model_state_dict(self.core, tensors[weights], options=options)
         else:
-            set_state_dict(
+            _dcp().set_state_dict(
                 self.core,
                 optimizer,
                 model_state_dict=tensors["model"],
@@ -216,7 +219,7 @@ class Strategy:
             )
         if resumed_average:  # after the raw weights: `tensors["model"]` are the model's own tensors
             with self.ema.swapped():
-                set_model_state_dict(self.core, tensors["ema"])
+                _dcp().set_model_state_dict(self.core, tensors["ema"])
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The model's blocks, each recomputed as one by activation checkpointing (FSDP: its shard units)."""

@@ -10,12 +10,11 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from src.config.errors import ConfigError
 from src.config.schema import Positive
 from src.state import checkpoint as ckpt
-from src.strategies.base import Context, _broadcast_from_rank0, _Distributed
+from src.strategies.base import Context, _broadcast_from_rank0, _dcp, _Distributed
 from src.strategies.blocks import _replace, shard_targets
 
 
@@ -139,7 +138,7 @@ class FSDP(_Distributed):
             return super().save_checkpoint(directory, names, optimizer, state, primary)
         self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
         average = {"ema": self.ema_state(full=False)} if self.ema else {}  # sharded like the model
-        model_state, optim_state = get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
+        model_state, optim_state = _dcp().get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
         tensors = {"model": model_state, "optimizer": optim_state, **average}
         ckpt.save_sharded(tensors, state, directory, names, primary)
 

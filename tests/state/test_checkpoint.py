@@ -149,6 +149,25 @@ def test_live_holder_blocks_and_killed_holder_does_not(tmp_path):
         assert lock.held and (run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 
 
+def test_ranks_of_an_earlier_launch_hold_the_run_dir_until_they_end(tmp_path):
+    """A launcher that died leaves its ranks saving their checkpoint: a new run into that dir is refused in one
+    line until the last of them has ended."""
+    rank = (
+        "import sys, time; from src.state.runlock import hold_as_rank; hold_as_rank(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(300)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", rank, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match="still held by the ranks of an earlier launch"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunLock(tmp_path) as lock:
+        assert lock.held
+
+
 def test_lock_is_released_on_exit(tmp_path):
     try_lock = [sys.executable, "-c", TRY, str(tmp_path)]
     with RunLock(tmp_path):

@@ -30,6 +30,8 @@ ARGS = [
     "trainer.deterministic=true",
 ]
 DDP = ["strategy=ddp", "trainer.devices=2"]
+SHORTER = ["trainer.max_epochs=3"]  # stopped once, after the first epoch: the rest is resumed
+FOUR = ["trainer.max_epochs=4"]  # stopped three times, each after an epoch ended, then resumed to the end
 
 
 def _data_workers(pid: int) -> list[int]:
@@ -93,14 +95,14 @@ def _position(run_dir) -> tuple[int, int]:
 def test_ctrl_c_sigterm_and_sigusr2_to_the_ddp_launcher_checkpoint_and_resume_to_the_same_result(tmp_path):
     # the uninterrupted run, alongside: both launchers spend much of their time starting processes
     straight = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, f"hydra.run.dir={tmp_path}/a"],
+        [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, *FOUR, f"hydra.run.dir={tmp_path}/a"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     run_dir = tmp_path / "b"
-    command = [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, *FOUR, f"hydra.run.dir={run_dir}"]
     position = (-1, 0)
     # Ctrl-C in a terminal and `timeout` at its limit signal the whole process group (they used to kill the ranks
     # at once: "rank 0 failed: Signal 15"); SIGUSR2 only the launcher
@@ -222,7 +224,8 @@ def test_the_printed_resume_command_continues_a_ddp_run_as_ddp(tmp_path, cfg_fac
 @pytest.mark.parametrize("name", ["sp ace;$(touch PWNED) 'q' \"d\"", "a=b,c $HOME ünï\\"])
 def test_the_printed_resume_command_is_paste_safe_for_any_run_dir_name(tmp_path, name):
     run_dir = tmp_path / name
-    code, out = _interrupt([sys.executable, str(ROOT / "train.py"), *ARGS, f"hydra.run.dir={_quoted(run_dir)}"], 2)
+    command = [sys.executable, str(ROOT / "train.py"), *ARGS, *SHORTER, f"hydra.run.dir={_quoted(run_dir)}"]
+    code, out = _interrupt(command, 2)
     assert code == 128 + 2 and (run_dir / "checkpoints/last.pt").is_file(), out[-3000:]
     said = [line.split("resume with: ", 1)[1] for line in out.splitlines() if "resume with: " in line]
     assert len(said) == 1, out[-3000:]
@@ -258,10 +261,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_ranks_whose_launcher_is_killed_save_and_exit_and_hold_the_run_dir_until_then(tmp_path):
+def test_ranks_whose_launcher_is_killed_save_and_exit_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, f"hydra.run.dir={run_dir}"],
+        [sys.executable, str(ROOT / "train.py"), *ARGS, *DDP, *SHORTER, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -275,21 +278,19 @@ def test_ranks_whose_launcher_is_killed_save_and_exit_and_hold_the_run_dir_until
     ranks = ranks or _children(proc.pid)
     proc.kill()  # SIGKILL: no handler, no forwarding; the ranks are orphaned
     proc.wait()
-    resumed_early = run_cli("debug=fast", f"hydra.run.dir={run_dir}", *ARGS[1:], *DDP)
-    deadline = time.time() + 90
+    deadline = time.time() + 20  # they save, then exit at once (they used to wait 60 s for the dead launcher)
     while any(_alive(pid) for pid in ranks) and time.time() < deadline:
         time.sleep(0.2)
     assert ranks and not any(_alive(pid) for pid in ranks), "ranks outlived their launcher"  # was: a futex wait
-    if resumed_early.returncode != 0:  # refused while the ranks held the dir: one line
-        assert "still held by the ranks of an earlier launch" in resumed_early.stderr, resumed_early.stderr[-2000:]
-    assert _position(run_dir) > (0, 0)  # they checkpointed on their way out
+    epoch, step = _position(run_dir)
+    assert epoch == 1 and step > 0 and not (run_dir / "metrics.json").exists()  # saved mid-epoch on their way out
     resumed = run_cli(f"hydra.run.dir={run_dir}", timeout=300)
     assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-2000:]
 
 
 def test_a_stop_during_the_last_epochs_validation_saves_and_exits_instead_of_completing(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["debug=fast", "data=synthetic", "data.num_samples=40000", "data.val_fraction=0.99", "data.num_test=64"]
+    args = ["debug=fast", "data=synthetic", "data.num_samples=8000", "data.val_fraction=0.99", "data.num_test=64"]
     args += ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "data.batch_size=16", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
@@ -299,7 +300,7 @@ def test_a_stop_during_the_last_epochs_validation_saves_and_exits_instead_of_com
         text=True,
     )
     lines = []
-    for line in proc.stdout:  # two training steps (~0.2 s), then 10-30 s of validation: the signal lands in it
+    for line in proc.stdout:  # two training steps (~0.2 s), then 6-10 s of validation: the signal lands in it
         lines.append(line)
         if "steps/epoch" in line:
             threading.Timer(2.5, proc.send_signal, (signal.SIGINT,)).start()
