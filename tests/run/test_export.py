@@ -24,7 +24,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """A single run's full checkpoint and an fsdp run's sharded one."""
     root, out = tmp_path_factory.mktemp("export"), {}
     for name, args in {"single": [], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}.items():
-        small = ("data.num_samples=512", "data.num_test=64", "trainer.max_epochs=1")  # weights to export, no more
+        small = ("data.num_samples=512", "data.num_test=64", "data.shape=[3,16,16]", "trainer.max_epochs=1")  # no more
         proc = run_cli("debug=fast", "model=resnet9", "data=synthetic", *small, *args, f"hydra.run.dir={root / name}")
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[name] = root / name / "checkpoints" / ("best.pt" if name == "single" else "best")
