@@ -49,6 +49,7 @@ SMOKE = {
     "ceilings": CEILINGS[:1],
     "strategies": [("single", 1), ("ddp", 2)],
     "windows": (2, 3, 5),
+    "min_timed_steps": 0,
 }
 GPU = {
     "model": "resnet18",
@@ -59,7 +60,8 @@ GPU = {
     "ceilings": CEILINGS,
     "strategies": LOOP_STRATEGIES,
     "windows": (15, 7, 25),
-}  # warm-up, windows, steps
+    "min_timed_steps": 100,  # a loop run trains more epochs than --epochs where its timed ones would be fewer steps
+}  # windows: warm-up, windows, steps
 
 
 # --- the parent: plan, run, compare ---------------------------------------------------------------
@@ -213,6 +215,7 @@ def plan(args) -> list[dict]:
                         "compile": compile_,
                         "precision": precision,
                         "compile_mode": LOOP_COMPILE_MODE[strategy] if compile_ else None,
+                        "min_timed_steps": 0 if args.steps else mode["min_timed_steps"],
                         "overrides": overrides,
                     }
                 )
@@ -486,6 +489,9 @@ def child_loop(spec: dict) -> dict:
             return {"images_per_sec": 1.0, "train_images": train_size}
         if cfg.trainer.limit_train_batches is None:  # full batches only: one batch shape, no recompiles
             cfg.trainer.limit_train_batches = train_size // cfg.data.batch_size
+        steps = cfg.trainer.limit_train_batches
+        timed = -(-spec.get("min_timed_steps", 0) // steps)  # epochs after the first (warm-up) one
+        cfg.trainer.max_epochs = max(cfg.trainer.max_epochs, 1 + timed)
         final = main(cfg)
         metrics = json.loads((Path(out) / "metrics.json").read_text())
     epochs = metrics["epochs"]
@@ -494,7 +500,8 @@ def child_loop(spec: dict) -> dict:
         "sec_per_epoch": final["sec_per_epoch"],
         "data_wait_fraction": final["data_wait_fraction"],
         **{k: final[k] for k in OPTIONAL_FIGURES if k in final},
-        "steps_per_epoch": cfg.trainer.limit_train_batches,
+        "steps_per_epoch": steps,
+        "timed_steps": steps * (len(epochs) - 1),
         "epoch_sec": [e["epoch_sec"] for e in epochs],
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
         "device_name": metrics["device_name"],
@@ -631,7 +638,12 @@ def main() -> int:
     p.add_argument("--workers", help="data.num_workers of data.loader=workers, comma-separated (default 8; smoke 0)")
     p.add_argument("--gpus", type=int, default=2, help="largest GPU count to run (default 2)")
     p.add_argument("--batch", type=int, help="images per GPU per step (default 512; smoke 64)")
-    p.add_argument("--epochs", type=int, help="epochs per loop run, the first excluded (default 3; smoke 2)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help="epochs per loop run, the first excluded from its speed (default 3; smoke 2); a GPU run trains "
+        "more where its timed epochs would be under 100 steps",
+    )
     p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
     p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
     p.add_argument(

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,13 @@ def run_cli(
         timeout=timeout,
         env=full_env,
     )
+
+
+def run_cli_together(*commands: list[str] | tuple[str, ...], **options) -> list[subprocess.CompletedProcess]:
+    """`run_cli(*args, **options)` for each argument list, all at once: independent runs overlap their start-up
+    (single-threaded imports, ~3 s each) on the machine's cores."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args, **options), commands))
 
 
 def start_train(*args: str) -> subprocess.Popen:

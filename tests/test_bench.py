@@ -108,6 +108,18 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
     assert any(line.startswith("run ") and line.endswith("peak GB   MFU  pass start s") for line in tail)
 
 
+def test_a_loop_run_trains_the_epochs_its_minimum_of_timed_steps_needs():
+    """A GPU bench run times at least 100 steps after its warm-up epoch: where --epochs would time fewer, the
+    run trains more epochs (here a minimum of 20 on the CPU)."""
+    overrides = ["model=tiny_cnn", "model.width=16", "data=synthetic", "data.num_samples=512", "data.shape=[3,8,8]"]
+    overrides += ["data.num_test=64", "trainer.device=cpu", "data.batch_size=64", "trainer.max_epochs=2"]
+    proc = bench("--one", json.dumps({"kind": "loop", "overrides": overrides, "min_timed_steps": 20}), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps, timed = result["steps_per_epoch"], result["timed_steps"]
+    assert timed >= 20 > timed - steps and len(result["epoch_sec"]) == 1 + timed // steps
+
+
 @pytest.mark.slow
 def test_merge_recomputes_ratios_from_split_files(smoke, tmp_path):
     _, report, _ = smoke

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.reporting.loggers import CSVLogger, Logger, build_loggers, job_identity
-from tests.conftest import read_metrics, run_cli, start_until_checkpoint
+from tests.conftest import read_metrics, run_cli, run_cli_together, start_until_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LINE = "  - logger: tensorboard"
@@ -418,18 +418,17 @@ def _steps_csv(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_every_n_steps_logs_the_same_figures_whatever_the_strategy(tmp_path):
     """loss, lr, grad norm and images/s every N optimizer steps, to every logger; one collective per log."""
-    runs = {}
-    for name, args in {
+    variants = {
         "single": ["trainer.log_every_n_steps=1"],
         "ddp": ["trainer.log_every_n_steps=1", "strategy=ddp", "trainer.devices=2"],
         "every2": ["trainer.log_every_n_steps=2"],
-    }.items():  # without BatchNorm, whose statistics depend on the per-device batch
-        run_dir = tmp_path / name
-        proc = run_cli(
-            "debug=fast", "model.batch_norm=false", "logger=[csv,tensorboard]", *args, f"hydra.run.dir={run_dir}"
-        )
+    }  # without BatchNorm, whose statistics depend on the per-device batch
+    common = ("debug=fast", "model.batch_norm=false", "logger=[csv,tensorboard]")
+    procs = run_cli_together(*([*common, *args, f"hydra.run.dir={tmp_path / name}"] for name, args in variants.items()))
+    runs = {}
+    for name, proc in zip(variants, procs):
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[name] = (_steps_csv(run_dir), read_metrics(run_dir))
+        runs[name] = (_steps_csv(tmp_path / name), read_metrics(tmp_path / name))
     single, metrics = runs["single"]
     assert [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]  # debug=fast: 2 epochs of 3 steps
     for a, b in zip(single, runs["ddp"][0]):  # the same global batches: the same numbers from 2 ranks

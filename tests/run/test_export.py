@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src.models import build_model
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli_together
 
 
 def _export(*args) -> subprocess.CompletedProcess:
@@ -22,13 +22,14 @@ def _export(*args) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """A single run's full checkpoint and an fsdp run's sharded one."""
-    root, out = tmp_path_factory.mktemp("export"), {}
-    for name, args in {"single": [], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}.items():
-        small = ("data.num_samples=512", "data.num_test=64", "data.shape=[3,16,16]", "trainer.max_epochs=1")  # no more
-        proc = run_cli("debug=fast", "model=resnet9", "data=synthetic", *small, *args, f"hydra.run.dir={root / name}")
+    root = tmp_path_factory.mktemp("export")
+    small = ("data.num_samples=512", "data.num_test=64", "data.shape=[3,16,16]", "trainer.max_epochs=1")  # no more
+    common = ("debug=fast", "model=resnet9", "data=synthetic", *small)
+    variants = {"single": [], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}
+    procs = run_cli_together(*([*common, *args, f"hydra.run.dir={root / name}"] for name, args in variants.items()))
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        out[name] = root / name / "checkpoints" / ("best.pt" if name == "single" else "best")
-    return out
+    return {"single": root / "single/checkpoints/best.pt", "fsdp": root / "fsdp/checkpoints/best"}
 
 
 def _logits(checkpoint_weights: dict, config: dict, x: torch.Tensor) -> torch.Tensor:

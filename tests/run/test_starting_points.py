@@ -12,7 +12,7 @@ import torch
 
 from src.config.errors import ConfigError
 from src.data.datasets import DataBundle, Split, load_digits_data
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics, run_cli, run_cli_together
 from tests.models.test_models import needs_timm
 
 
@@ -62,15 +62,13 @@ def pretrained(tmp_path_factory) -> Path:
 def test_fine_tuning_from_another_task_beats_the_same_model_from_scratch(pretrained, tmp_path):
     """The point of a starting point: features learnt on digits 0-3 give digits 5-9 (a new head: 5 classes, not
     4) a clearly higher top-1 after the same few steps than random ones."""
+    starts = {"scratch": [], "fine-tuned": [f"trainer.init_from={pretrained}"]}
+    common = ("debug=fast", DATA, SECOND, "trainer.max_epochs=3", "data.batch_size=64", NARROW)
+    procs = run_cli_together(*([*common, *start, f"hydra.run.dir={tmp_path / name}"] for name, start in starts.items()))
     top1 = {}
-    for name, start in (("scratch", []), ("fine-tuned", [f"trainer.init_from={pretrained}"])):
-        run_dir = tmp_path / name
-        proc = run_cli(
-            "debug=fast", DATA, SECOND, "trainer.max_epochs=3", "data.batch_size=64", NARROW, *start,
-            f"hydra.run.dir={run_dir}",
-        )  # fmt: skip
+    for name, proc in zip(starts, procs):
         assert proc.returncode == 0, proc.stderr[-2000:]
-        metrics = read_metrics(run_dir)
+        metrics = read_metrics(tmp_path / name)
         assert [row["epoch"] for row in metrics["epochs"]] == [1, 2, 3]  # a new run: from epoch 0
         top1[name] = metrics["final"]["test_top1"]
     assert "a new head (head.bias, head.weight) for the data's 5 classes, initialized afresh" in proc.stdout
@@ -83,18 +81,12 @@ def test_fine_tuning_from_another_task_beats_the_same_model_from_scratch(pretrai
 @pytest.fixture(scope="module")
 def distributed_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """A one-epoch ddp run (a full .pt) and fsdp run (a sharded folder) on 10 classes, from the command line."""
-    out = {}
-    for strategy in ("ddp", "fsdp"):
-        run_dir = tmp_path_factory.mktemp(strategy) / "run"
-        proc = run_cli(
-            "debug=fast",
-            f"strategy={strategy}",
-            "trainer.devices=2",
-            "trainer.max_epochs=1",
-            f"hydra.run.dir={run_dir}",
-        )
+    dirs = {strategy: tmp_path_factory.mktemp(strategy) / "run" for strategy in ("ddp", "fsdp")}
+    common = ("debug=fast", "trainer.devices=2", "trainer.max_epochs=1")
+    procs = run_cli_together(*([*common, f"strategy={s}", f"hydra.run.dir={d}"] for s, d in dirs.items()))
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        out[strategy] = run_dir / ("checkpoints/last" if strategy == "fsdp" else "checkpoints/last.pt")
+    out = {"ddp": dirs["ddp"] / "checkpoints/last.pt", "fsdp": dirs["fsdp"] / "checkpoints/last"}
     assert out["fsdp"].is_dir()
     return out
 
