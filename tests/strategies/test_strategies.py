@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -167,12 +168,12 @@ def test_killed_rank_is_restarted_and_resumes_to_the_same_result(tmp_path):
         "strategy=ddp",
         "trainer.devices=2",
         "trainer.limit_train_batches=null",
-        "trainer.max_epochs=5",
+        "trainer.max_epochs=3",
         "data.batch_size=32",
         "trainer.deterministic=true",
     ]
-    straight = run_cli(*args, f"hydra.run.dir={tmp_path}/a")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    reference = ThreadPoolExecutor(1)  # the uninterrupted run, meanwhile
+    straight = reference.submit(run_cli, *args, f"hydra.run.dir={tmp_path}/a")
     run_dir = tmp_path / "b"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args, "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"],
@@ -190,6 +191,9 @@ def test_killed_rank_is_restarted_and_resumes_to_the_same_result(tmp_path):
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out
+    straight = straight.result()
+    reference.shutdown()
+    assert straight.returncode == 0, straight.stderr[-3000:]
     a, b = read_metrics(tmp_path / "a")["final"], read_metrics(run_dir)["final"]
     for key in ("test_loss", "test_top1", "test_top5", "best_val_top1"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
