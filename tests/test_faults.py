@@ -866,6 +866,8 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
         (["data=cifar1000"], "data=cifar1000 is not a data option (cifar10, cifar100, digits, imagefolder, shards"),
         (["data=imagefolder", "data.rooot=x"], "did you mean data.root?"),
         (["model=torchvision", "model.nme=x"], "did you mean model.name?"),
+        # the options only: not the arguments the code fills (num_classes, a loader's cfg) nor _target_
+        (["model.foo=1"], "model.foo is not an option of model (it has width, batch_norm, weights, freeze); to add"),
         (["hydra.run.dir=/tmp/ünï x"], "cannot read the override 'hydra.run.dir=/tmp/ünï x'"),
     ],
 )

@@ -11,6 +11,8 @@ from src.config.renamed import RENAMED_OPTIONS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"}
+# arguments of a section's _target_ that the code passes itself: never options to suggest
+FILLED_BY_THE_CODE = {"cfg", "num_classes", "in_channels"}
 FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p"}
 
 
@@ -105,7 +107,9 @@ def _unknown_key(parsed, groups) -> str | None:
         parent_key, _, leaf = o.key_or_group.rpartition(".")
         parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
         if OmegaConf.is_dict(parent) and leaf not in parent.keys():  # keys(): `in` is False for a ??? value
-            known = [str(k) for k in parent.keys() if str(k) != "hydra"] + _declared_by_target(parent, parent_key)
+            known = [str(k) for k in parent.keys() if str(k) != "hydra"]
+            known += [k for k in _declared_by_target(parent, parent_key) if k not in known]
+            known = [k for k in known if not k.startswith("_") and k not in FILLED_BY_THE_CODE]
             if leaf in known:  # an argument of its _target_ the YAML leaves at its default
                 return f"{o.key_or_group} is not set in the config; pass it as +{o.key_or_group}={o.value()}"
             close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
