@@ -45,8 +45,9 @@ def _slurm_master_addr(nodelist: str) -> str:
 
 
 def _port_for_job(job_id: str) -> int:
-    """A port that depends only on the job id, so requeued jobs and every rank agree."""
-    return random.Random(job_id).randint(20000, 59999)
+    """A port that depends only on the job id, so requeued jobs and every rank agree; below Linux's ephemeral
+    range (32768-60999), from which the kernel numbers outgoing connections (gloo opens many)."""
+    return random.Random(job_id).randint(12000, 32767)
 
 
 def _export_slurm_env() -> None:

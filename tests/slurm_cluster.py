@@ -287,6 +287,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0
+FirstJobId={self.ctld_port * 100}
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
