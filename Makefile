@@ -22,7 +22,7 @@ train: install  ## train with the default config (digits, CPU or GPU); pass over
 
 TEST_WORKERS ?= 2
 test: install slurm-install lint  ## install, lint, then the whole test suite (CPU; SLURM tests skip where slurm can't be installed)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(ARGS)
 
 lint: install  ## ruff (lint and format check) and import-linter (no cycles, layers), all in pyproject.toml
 	$(VENV)/bin/ruff check .
@@ -34,7 +34,7 @@ format: install  ## ruff: fix what can be fixed and format
 	$(VENV)/bin/ruff format .
 
 test-fast: install  ## tests without the multi-process and SLURM ones
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not slow and not slurm" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow and not slurm" $(ARGS)
 
 report: install  ## results table of SWEEP=multirun/<date>/<time> (default: the newest sweep with results)
 	$(PY) -m src.reporting.report $(SWEEP)

@@ -135,24 +135,8 @@ def cfg_factory(tmp_path):
     return lambda *overrides, sub="": make_cfg(tmp_path / sub if sub else tmp_path, *overrides)
 
 
-# the longest modules (minutes each on 2 cores), started first so that make test's two workers end together
-LONGEST_FIRST = (
-    "tests/state/test_signals.py",
-    "tests/test_faults.py",
-    "tests/strategies/test_strategies.py",
-    "tests/strategies/test_fsdp.py",
-    "tests/test_bench.py",
-    "tests/run/test_slurm.py",
-    "tests/run/test_sweeps.py",
-    "tests/run/test_starting_points.py",
-)
-
-
 def pytest_collection_modifyitems(items):
-    """The longest modules first (each module keeps its order); GPU tests get 240 s each: a hang fails inside
-    one call to a lent GPU machine, with its stacks printed."""
-    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(ROOT).as_posix(), len(rank)))  # stable
+    """GPU tests get 240 s each: a hang fails inside one call to a lent GPU machine, with its stacks printed."""
     for item in items:
         if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(240))
