@@ -173,11 +173,14 @@ class Trainer:
         self.loader = build_loader(
             self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile, self.env.local_world_size
         )
-        self.optimizer = build_optimizer(
-            cfg.optim,
-            self.strategy.core,
-            fused=self.device.type == "cuda" and self.strategy.fused_optimizer,
-            head=self.head,
+        self.optimizer = self.strategy.prepare_optimizer(
+            build_optimizer(
+                cfg.optim,
+                self.strategy.core,
+                fused=self.device.type == "cuda" and self.strategy.fused_optimizer,
+                head=self.head,
+            ),
+            self.device,
         )
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))

@@ -115,6 +115,10 @@ class Strategy:
         self.model = ctx.compiled(model)
         return self.model
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.optim.Optimizer:
+        """The optimizer built over `core`'s parameters, made ready for the loop to step."""
+        return optimizer
+
     def sync_context(self, boundary: bool):
         """Around a micro-step's forward and backward: skip the gradient sync unless it ends the step."""
         return contextlib.nullcontext()

@@ -16,6 +16,7 @@ from src.config.schema import Positive
 from src.state import checkpoint as ckpt
 from src.strategies.base import Context, _broadcast_from_rank0, _dcp, _Distributed
 from src.strategies.blocks import _replace, shard_targets
+from src.strategies.local_shards import step_on_local_shards
 
 
 @dataclass
@@ -38,7 +39,7 @@ class FSDP(_Distributed):
 
     name: ClassVar[str] = "fsdp"
     cuda_graphs: ClassVar[bool] = False
-    fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters
+    fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters: see prepare_optimizer
     channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
     averages_gradients: ClassVar[bool] = True
 
@@ -119,6 +120,11 @@ class FSDP(_Distributed):
         self.core = self.model = model
         self.eager = _Eager(model) if ctx.compile else model
         return self.model
+
+    def prepare_optimizer(self, optimizer, device):
+        """Stepped over the local shards, fused on CUDA (src/strategies/local_shards.py)."""
+        fused = device.type == "cuda" and not self.cpu_offload
+        return step_on_local_shards(optimizer, fused)
 
     def eval_module(self):
         self.sync_buffers()
