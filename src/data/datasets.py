@@ -12,9 +12,11 @@ per batch by DataLoader workers or on the training device (`data.decode`).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import math
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -183,13 +185,49 @@ class DataBundle:
         return self.train.images is not None
 
 
+def user_cache() -> Path:
+    """Where ddplab keeps what it derived from files it did not write ($XDG_CACHE_HOME/ddplab, ~/.cache/ddplab)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddplab"
+
+
+def _cached(name: str, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`make()`'s tensors, kept in user_cache() for the next process: what scikit-learn computes, because importing
+    it takes ~0.9 s of each process's start. An unreadable entry is made again; an unwritable cache is skipped."""
+    path = user_cache() / f"{name}.pt"
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+        pass
+    tensors = make()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)  # whole or not at all, whichever process writes it first
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return tensors
+
+
+def _sklearn_version() -> str:
+    return importlib.metadata.version("scikit-learn")  # without importing it
+
+
 def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val_fraction", seed: int = SPLIT_SEED):
     """Indices (kept, held out) with `fraction` of every class held out; `key` names the setting in errors."""
-    from sklearn.model_selection import train_test_split
-
     idx = np.arange(len(labels))
     if fraction <= 0:
         return torch.from_numpy(idx), torch.empty(0, dtype=torch.long)
+    digest = hashlib.sha1(labels.numpy().tobytes()).hexdigest()[:16]
+    name = f"split-{digest}-{fraction}-{seed}-sklearn{_sklearn_version()}"
+    split = _cached(name, lambda: _sklearn_split(labels, fraction, key, seed))
+    return split["kept"], split["held"]
+
+
+def _sklearn_split(labels: torch.Tensor, fraction: float, key: str, seed: int) -> dict[str, torch.Tensor]:
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(labels))
     try:
         keep, held = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels.numpy())
     except ValueError:  # sklearn: a side too small to hold every class once
@@ -207,7 +245,7 @@ def stratified_split(labels: torch.Tensor, fraction: float, key: str = "data.val
             f"{key}={fraction} cannot split {n} samples of {classes} classes so that both sides hold every class; "
             f"{fits}{', or 0 for none' if key.endswith('val_fraction') else ''}"
         ) from None
-    return torch.from_numpy(np.sort(keep)), torch.from_numpy(np.sort(held))
+    return {"kept": torch.from_numpy(np.sort(keep)), "held": torch.from_numpy(np.sort(held))}
 
 
 def _subset(split: Split, idx: torch.Tensor) -> Split:
@@ -230,11 +268,15 @@ def _channel_stats(images: torch.Tensor):
 
 
 def load_digits_data(cfg: DictConfig) -> DataBundle:
-    from sklearn.datasets import load_digits
+    def read() -> dict[str, torch.Tensor]:
+        from sklearn.datasets import load_digits
 
-    raw = load_digits()
-    images = torch.from_numpy(np.round(raw.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
-    labels = torch.from_numpy(raw.target.astype(np.int64))
+        raw = load_digits()
+        images = torch.from_numpy(np.round(raw.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
+        return {"images": images, "labels": torch.from_numpy(raw.target.astype(np.int64))}
+
+    digits = _cached(f"digits-sklearn{_sklearn_version()}", read)
+    images, labels = digits["images"], digits["labels"]
     train_idx, test_idx = stratified_split(labels, cfg.get("test_fraction", 0.2), "data.test_fraction")
     full = Split(labels, images=images)
     train, val = carve_val(_subset(full, train_idx), cfg.val_fraction)

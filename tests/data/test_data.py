@@ -488,3 +488,58 @@ def test_the_checks_run_before_any_data_is_read(tmp_path):
 def test_every_shipped_data_option_passes_the_checks(tmp_path, option):
     root = ["data.root=/x"] if option in ("imagefolder", "shards") else []
     check_data_config(make_cfg(tmp_path, f"data={option}", *root).data)
+
+
+# --- what scikit-learn computes is cached: importing it costs each process ~0.9 s ------------------------
+
+DIGITS_BUNDLE = """
+import sys, torch
+from omegaconf import OmegaConf
+from src.data.datasets import load_digits_data
+cfg = OmegaConf.create({"name": "digits", "val_fraction": 0.15, "test_fraction": 0.2})
+b = load_digits_data(cfg)
+torch.save({s: (getattr(b, s).images, getattr(b, s).labels) for s in ("train", "val", "test")}, sys.argv[1])
+print("sklearn imported:", "sklearn" in sys.modules)
+"""
+
+
+def test_digits_and_their_splits_are_sklearns_and_a_second_process_reads_them_without_importing_it(tmp_path):
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"bundle{i}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-c", DIGITS_BUNDLE, str(out)], env=env, capture_output=True, text=True, cwd=ROOT
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append((proc.stdout.strip(), torch.load(out, weights_only=True)))
+    assert [said for said, _ in runs] == ["sklearn imported: True", "sklearn imported: False"]
+    for split in ("train", "val", "test"):
+        for a, b in zip(runs[0][1][split], runs[1][1][split]):
+            assert torch.equal(a, b)
+    # the independent reference: scikit-learn's own split of its digits
+    raw = load_digits()
+    idx = np.arange(len(raw.target))
+    train_idx, test_idx = train_test_split(idx, test_size=0.2, random_state=0, stratify=raw.target)
+    assert torch.equal(runs[1][1]["test"][1], torch.from_numpy(raw.target[np.sort(test_idx)]))
+    images = np.round(raw.images * (255 / 16)).astype(np.uint8)[np.sort(test_idx)]
+    assert torch.equal(runs[1][1]["test"][0][:, 0], torch.from_numpy(images))
+    assert len(runs[1][1]["train"][1]) + len(runs[1][1]["val"][1]) == len(train_idx)
+
+
+def test_an_unreadable_cache_entry_is_computed_again_and_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    labels = torch.arange(40) % 4
+    fresh = stratified_split(labels, 0.25)
+    (entry,) = (tmp_path / "ddplab").glob("split-*.pt")
+    entry.write_bytes(b"not a torch file")
+    again = stratified_split(labels, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again))
+    assert torch.equal(torch.load(entry, weights_only=True)["held"], fresh[1])
+    assert [p.name for p in (tmp_path / "ddplab").iterdir()] == [entry.name]  # no temporary file left
