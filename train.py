@@ -9,14 +9,16 @@ import hydra
 from omegaconf import DictConfig
 
 from src.config.errors import ConfigError
-from src.run.launch import RankFailed
-from src.run.launch import main as run
-from src.run.sweep import remove_refused_run_dir
-from src.state.signals import Interrupted
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    # imported here, not above: a command line refused before Hydra answers without importing torch
+    from src.run.launch import RankFailed
+    from src.run.launch import main as run
+    from src.run.sweep import remove_refused_run_dir
+    from src.state.signals import Interrupted
+
     try:
         metrics = run(cfg)
     except (ConfigError, RankFailed) as exc:

@@ -877,6 +877,21 @@ def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args
     assert list(tmp_path.iterdir()) == []  # refused before Hydra made a run or sweep dir
 
 
+def test_a_command_line_refused_before_hydra_answers_without_importing_torch():
+    """The line comes in well under a second: torch (~1.5 s of imports) is not loaded to say it."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['train.py', 'trainer.max_epoch=3']\n"
+        "try:\n"
+        "    runpy.run_path('train.py', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print(stop.code, 'torch' in sys.modules)\n"
+    )
+    proc = run_cli(command=[sys.executable, "-c", code])
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
+    assert "did you mean trainer.max_epochs?" in proc.stderr
+
+
 def test_hydra_flags_and_added_keys_are_left_to_hydra(tmp_path):
     helped = run_cli("--help", cwd=tmp_path).stdout
     assert "== Configuration groups ==" in helped

@@ -1,15 +1,11 @@
-"""Hydra resolvers that name the run directory once for all ranks and keep a run's own records its own."""
+"""Hydra resolvers that name the run directory once for all ranks and keep a run's own records its own. They import
+what they use when called: `import src` registers them, and a command line refused before Hydra needs no torch."""
 
 from __future__ import annotations
 
 import datetime
 import os
 from pathlib import Path
-
-import torch.distributed as dist
-
-from src.distributed import env_rank
-from src.state.resume import completed
 
 
 def _now_stamp() -> str:
@@ -27,6 +23,8 @@ def run_stamp() -> str:
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in env:
         return f"slurm/{env.get('SLURM_ARRAY_JOB_ID', env['SLURM_JOB_ID'])}"
     if "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and int(env.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
         store = dist.TCPStore(
             env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
         )
@@ -35,6 +33,8 @@ def run_stamp() -> str:
 
 
 def rank_log_suffix() -> str:
+    from src.distributed import env_rank
+
     rank = env_rank()
     return "" if rank == 0 else f"_rank{rank}"
 
@@ -52,6 +52,8 @@ def _output_dir(root) -> Path | None:
 def record_subdir(value: str, *, _root_) -> str | None:
     """hydra.output_subdir: rank 0 writes `.hydra/` once; a resume, an evaluation or a re-run in the same run dir
     keeps the record of the run's own launch (its overrides name it in reports)."""
+    from src.distributed import env_rank
+
     out = _output_dir(_root_)
     if env_rank() != 0 or (out is not None and (out / value / "config.yaml").exists()):
         return None
@@ -60,6 +62,8 @@ def record_subdir(value: str, *, _root_) -> str | None:
 
 def run_log(output_dir: str, name: str) -> str:
     """The job's log file; a completed run's dir is left as it is (its log stays the run's own)."""
+    from src.state.resume import completed
+
     return os.devnull if completed(Path(output_dir)) else f"{output_dir}/{name}{rank_log_suffix()}.log"
 
 
