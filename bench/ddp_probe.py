@@ -45,7 +45,7 @@ MODES = {  # name: (compile mode or False, scope, comm hook, bucket MB, dynamo o
     "cudagraphs-wrapper-split-b35": ("reduce-overhead", "wrapper", None, 35, True, {"broadcast_buffers": False}),
     "cudagraphs-wrapper-split-b40": ("reduce-overhead", "wrapper", None, 40, True, {"broadcast_buffers": False}),
     # compiled autograd traces DDP's (python) reducer into the backward graph, where Inductor may reorder the
-    # all-reduces to overlap the backward (measured slower: resnet18_2xh200_2026-11-26.md, tried and rejected)
+    # all-reduces to overlap the backward (measured slower: resnet18_h200_2026-11-26.md, tried and rejected)
     "cudagraphs-compiled-autograd": (
         "reduce-overhead",
         "wrapper",
