@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,6 +52,15 @@ def run_cli_together(*commands: list[str] | tuple[str, ...], **options) -> list[
     (single-threaded imports, ~3 s each) on the machine's cores."""
     with ThreadPoolExecutor(len(commands)) as pool:
         return list(pool.map(lambda args: run_cli(*args, **options), commands))
+
+
+def run_cli_meanwhile(*args: str, **options) -> Future:
+    """`run_cli(*args, **options)` in a thread of its own, e.g. the uninterrupted reference of a run the test stops;
+    `.result()` waits for it."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_cli, *args, **options)
+    pool.shutdown(wait=False)  # the thread ends with the run
+    return future
 
 
 def start_train(*args: str) -> subprocess.Popen:

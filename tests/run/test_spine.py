@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from tests.conftest import (
     assert_compiled_loader_augments_like_eager,
     read_metrics,
     run_cli,
+    run_cli_meanwhile,
     start_until_checkpoint,
     weights,
 )
@@ -182,8 +182,7 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
         "trainer.deterministic=true",
         "data.batch_size=32",
     ]
-    reference = ThreadPoolExecutor(1)  # the uninterrupted run, meanwhile
-    straight = reference.submit(run_cli, *args, f"hydra.run.dir={tmp_path}/a")
+    straight = run_cli_meanwhile(*args, f"hydra.run.dir={tmp_path}/a")
     run_dir = tmp_path / "b"
     proc = start_until_checkpoint(*args, f"hydra.run.dir={run_dir}", run_dir=run_dir)
     proc.send_signal(signal.SIGTERM)
@@ -193,7 +192,6 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
     resumed = run_cli(*args, f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr
     straight = straight.result()
-    reference.shutdown()
     assert straight.returncode == 0, straight.stderr[-2000:]
     a, b = read_metrics(tmp_path / "a"), read_metrics(run_dir)
     for key in ("test_loss", "test_top1", "test_top5", "best_val_top1"):

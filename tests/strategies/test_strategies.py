@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from src.run.launch import main as launch
 from src.run.trainer import train
 from src.state.checkpoint import find
-from tests.conftest import ROOT, assert_same_weights, read_metrics, run_cli
+from tests.conftest import ROOT, assert_same_weights, read_metrics, run_cli, run_cli_meanwhile
 
 pytestmark = pytest.mark.slow
 
@@ -172,8 +171,7 @@ def test_killed_rank_is_restarted_and_resumes_to_the_same_result(tmp_path):
         "data.batch_size=32",
         "trainer.deterministic=true",
     ]
-    reference = ThreadPoolExecutor(1)  # the uninterrupted run, meanwhile
-    straight = reference.submit(run_cli, *args, f"hydra.run.dir={tmp_path}/a")
+    straight = run_cli_meanwhile(*args, f"hydra.run.dir={tmp_path}/a")
     run_dir = tmp_path / "b"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args, "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"],
@@ -192,7 +190,6 @@ def test_killed_rank_is_restarted_and_resumes_to_the_same_result(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out
     straight = straight.result()
-    reference.shutdown()
     assert straight.returncode == 0, straight.stderr[-3000:]
     a, b = read_metrics(tmp_path / "a")["final"], read_metrics(run_dir)["final"]
     for key in ("test_loss", "test_top1", "test_top5", "best_val_top1"):
