@@ -10,7 +10,8 @@
         single, ddp and fsdp on 2 and 4 GPUs, compiled, bf16, synthetic data on the device (the runs of
         bench/results/fsdp_h100_2026-11-27.md); --dry-run prints the commands
 
-Each variant runs `python train.py <overrides> <the variant's overrides>` in its own process. A variant that runs
+Each variant runs `python train.py <overrides> <the variant's overrides>` in its own process, for --epochs or, where
+those after the first (warm-up) would time fewer than --min-timed-steps (100) steps, for as many more as that takes. A variant that runs
 out of memory is a row that says so (train.py's one line, e.g. the memory it had reached), not a failure.
 """
 
@@ -46,6 +47,26 @@ SCALING_COMMON = (
     "trainer.amp=true trainer.compile=true logger=none"
 )
 COLUMNS = "| variant | ranks | global batch | fits | images/s | peak GiB | TFLOP/s/GPU | MFU | test top-1 | wall s |"
+
+
+def epochs_for(overrides: list[str], epochs: int, min_timed_steps: int) -> int:
+    """`epochs`, or more where the timed epochs (all but the first, the warm-up) would hold fewer than
+    `min_timed_steps` steps, as in bench.py's GPU mode."""
+    if not min_timed_steps:
+        return epochs
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    sys.path.insert(0, str(ROOT))
+    from src.data.datasets import load_data
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root_dir={ROOT}", *overrides])
+    if cfg.data.name == "synthetic":
+        with open_dict(cfg):
+            cfg.data.shape = [1, 1, 1]  # the count of images is what matters here, not the images
+    steps = cfg.trainer.limit_train_batches or len(load_data(cfg.data).train) // cfg.data.batch_size
+    return max(epochs, 1 + -(-min_timed_steps // max(1, steps)))
 
 
 def variant(text: str) -> tuple[str, list[str]]:
@@ -114,6 +135,12 @@ def row(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=3, help="trainer.max_epochs (default 3; speed leaves out epoch 1)")
+    p.add_argument(
+        "--min-timed-steps",
+        type=int,
+        default=100,
+        help="more epochs than --epochs where those after the first would time fewer steps (default 100; 0: off)",
+    )
     p.add_argument("--variant", action="append", type=variant, help="NAME:OVERRIDES (repeatable)")
     p.add_argument("--scaling", choices=sorted(SCALING), help="single, ddp and fsdp on 2..--gpus GPUs (no --variant)")
     p.add_argument("--gpus", type=int, default=4, help="with --scaling: the most GPUs a variant uses (default 4)")
@@ -128,7 +155,13 @@ def main() -> None:
     else:
         variants = args.variant or [(n, shlex.split(o)) for n, o in DEFAULT_VARIANTS.items()]
         base = [] if args.variant else ["experiment=cifar10_jpeg", "seed=2"]
-    base += [f"trainer.max_epochs={args.epochs}", "trainer.progress_bar=false", *extra]
+    base.append("trainer.progress_bar=false")
+
+    def with_epochs(own: list[str]) -> list[str]:  # the command line's and a variant's own max_epochs come later
+        epochs = epochs_for([*base, *extra, *own], args.epochs, args.min_timed_steps)
+        return [f"trainer.max_epochs={epochs}", *extra, *own]
+
+    variants = [(name, with_epochs(own)) for name, own in variants]
     if args.dry_run:
         for name, overrides in variants:
             print(f"{name}: {shlex.join(['python', 'train.py', *base, *overrides])}")

@@ -144,6 +144,7 @@ def strategies_table(out, *variants: str) -> list[str]:
         sys.executable,
         str(ROOT / "bench/strategies_table.py"),
         "--epochs=2",
+        "--min-timed-steps=0",
         f"--out={out}",
         *variants,
         "debug=fast",
@@ -305,7 +306,7 @@ def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
     GPUs; each command is a valid config."""
     import shlex
 
-    from src.data.datasets import check_data_config
+    from src.data.datasets import check_data_config, load_data
     from tests.conftest import make_cfg
 
     cmd = [sys.executable, str(ROOT / "bench/strategies_table.py"), "--scaling", model, "--dry-run"]
@@ -323,3 +324,8 @@ def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
         assert cfg.strategy._target_ == f"src.strategies.{target}" and cfg.data.batch_size == per_gpu * devices
         assert cfg.trainer.compile and cfg.trainer.amp and cfg.data.name == "synthetic"
         assert cfg.trainer.compile_mode == ("default" if name.startswith("fsdp") else "reduce-overhead")
+        # the epochs after the first (warm-up) time >= 100 steps: the fewest epochs that do, and at least --epochs
+        cfg.data.shape = [1, 1, 1]
+        steps = len(load_data(cfg.data).train) // cfg.data.batch_size
+        timed = cfg.trainer.max_epochs - 1
+        assert timed * steps >= 100 and (timed == 2 or (timed - 1) * steps < 100), (name, steps, timed)
