@@ -11,8 +11,9 @@
         bench/results/fsdp_h100_2026-11-27.md); --dry-run prints the commands
 
 Each variant runs `python train.py <overrides> <the variant's overrides>` in its own process, for --epochs or, where
-those after the first (warm-up) would time fewer than --min-timed-steps (100) steps, for as many more as that takes. A variant that runs
-out of memory is a row that says so (train.py's one line, e.g. the memory it had reached), not a failure.
+those after the first (warm-up) would time fewer than --min-timed-steps (100) steps, for as many more as that takes.
+A variant that runs out of memory is a row that says so (train.py's one line, e.g. the memory it had reached), not a
+failure.
 """
 
 from __future__ import annotations
