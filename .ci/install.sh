@@ -19,7 +19,7 @@ if "$py" -m pip install -q uv; then
             esac
         done
     done < <("$py" -m pip config list 2>/dev/null)
-    "$py" -m uv pip install --quiet --python "$py" --index-strategy unsafe-best-match "${args[@]}" -r requirements.txt &&
+    "$py" -m uv pip install --quiet --compile-bytecode --python "$py" --index-strategy unsafe-best-match "${args[@]}" -r requirements.txt &&
         exit 0
     echo "install: uv could not install requirements.txt; installing with pip" >&2
 fi
