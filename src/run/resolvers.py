@@ -49,22 +49,30 @@ def _output_dir(root) -> Path | None:
     return Path(out) if out else None
 
 
+_RECORDS: dict[tuple[Path | None, str], str | None] = {}  # (run dir, subdir) -> this process's answer
+
+
 def record_subdir(value: str, *, _root_) -> str | None:
     """hydra.output_subdir: rank 0 writes `.hydra/` once; a resume, an evaluation or a re-run in the same run dir
-    keeps the record of the run's own launch (its overrides name it in reports)."""
+    keeps the record of the run's own launch (its overrides name it in reports). Decided once per run dir in a
+    process: Hydra reads the setting twice, and another sweep into the same folder may write the record between."""
     from src.distributed import env_rank
 
     out = _output_dir(_root_)
-    if env_rank() != 0 or (out is not None and (out / value / "config.yaml").exists()):
-        return None
-    return value
+    if (out, value) not in _RECORDS:
+        kept = env_rank() != 0 or (out is not None and (out / value / "config.yaml").exists())
+        _RECORDS[out, value] = None if kept else value
+    return _RECORDS[out, value]
 
 
-def run_log(output_dir: str, name: str) -> str:
-    """The job's log file; a completed run's dir is left as it is (its log stays the run's own)."""
+def run_log(output_dir: str | None, name: str) -> str:
+    """The job's log file; a completed run's dir is left as it is (its log stays the run's own). Where there is no
+    job dir yet (a sweep's own config, resolved whole), there is no log file."""
     from src.state.resume import completed
 
-    return os.devnull if completed(Path(output_dir)) else f"{output_dir}/{name}{rank_log_suffix()}.log"
+    if output_dir is None or completed(Path(output_dir)):
+        return os.devnull
+    return f"{output_dir}/{name}{rank_log_suffix()}.log"
 
 
 def register_resolvers() -> None:

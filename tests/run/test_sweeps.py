@@ -214,3 +214,28 @@ def test_an_optuna_search_is_scored_on_validation_and_survives_a_diverged_trial(
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert result["best_value"] == done[best_job][1] != done[best_job][2]  # validation, not test (was: test)
     assert result["best_params"]["optim.lr"] == done[best_job][3]["optim"]["lr"]
+
+
+def test_a_jobs_record_subdir_is_decided_once_and_no_job_dir_means_no_log_file(tmp_path):
+    """Hydra reads hydra.output_subdir twice per job; a second sweep into the same folder wrote `.hydra/` between
+    the two reads, and the job ended on Path(None) with a traceback. A sweep's own config has no job dir."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    import src  # noqa: F401  (registers the resolvers)
+
+    cfg = OmegaConf.create(
+        {
+            "hydra": {"runtime": {"output_dir": str(tmp_path)}, "job": {"name": "train"}},
+            "subdir": "${record_subdir:.hydra}",
+            "log": "${run_log:${hydra.runtime.output_dir},${hydra.job.name}}",
+        }
+    )
+    assert cfg.subdir == ".hydra"
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra/config.yaml").write_text("{}\n")  # the other sweep's job, between Hydra's two reads
+    assert cfg.subdir == ".hydra"
+    assert cfg.log == f"{tmp_path}/train.log"
+    cfg.hydra.runtime.output_dir = None
+    assert cfg.log == os.devnull
