@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -274,10 +275,17 @@ def saved_shapes(path: Path | str, state: dict) -> dict[str, tuple]:
 def find(directory: Path, name: str) -> Path | None:
     """Checkpoint `name` ("last", "best") of a run in either format: `<name>.pt` or `<name>/`, the newer if
     both are there; a sharded one caught between the two renames of its replacement is its previous version."""
-    found = [p for p in (directory / f"{name}.pt", directory / name) if p.exists()]
-    if not found and (directory / f".{name}.old" / STATE).is_file():
-        return directory / f".{name}.old"
-    return max(found, key=lambda p: (p / STATE if p.is_dir() else p).stat().st_mtime_ns, default=None)
+    for _ in range(100):  # rank 0 may be publishing it meanwhile: look again where a rename came between two looks
+        with contextlib.suppress(FileNotFoundError):
+            found = [p for p in (directory / f"{name}.pt", directory / name) if p.exists()]
+            if found:
+                return max(found, key=lambda p: (p / STATE if p.is_dir() else p).stat().st_mtime_ns)
+            if (directory / f".{name}.old" / STATE).is_file():
+                return directory / f".{name}.old"
+            if not (directory / name).exists():  # still none after the look at the previous version: there is none
+                return None
+        time.sleep(0.01)
+    raise FileNotFoundError(f"checkpoint {name} in {directory} kept changing while it was looked up")
 
 
 def save_full(state: dict, directory: Path, names: list[str]) -> None:

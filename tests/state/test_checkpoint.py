@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,32 @@ def test_lock_is_released_on_exit(tmp_path):
         assert proc.stderr.strip().endswith(f"ConfigError: {in_use(tmp_path, os.getpid())}")
     proc = subprocess.run(try_lock, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "acquired\n"), proc.stderr
+
+
+def test_find_while_another_rank_publishes_a_sharded_checkpoint_never_fails(tmp_path):
+    """A rank looked up `last` while rank 0 renamed it to `.last.old` (between its exists() and its stat() of
+    state.pt): a FileNotFoundError ended the rank (seen once in CI, fsdp's restart test)."""
+    import threading
+
+    from src.state.checkpoint import STATE, _publish, find
+
+    def write(directory: Path) -> None:
+        directory.mkdir()
+        (directory / STATE).write_bytes(b"x")
+
+    write(tmp_path / "last")
+    done = threading.Event()
+
+    def publish_again_and_again():
+        while not done.is_set():
+            write(tmp_path / ".last.tmp")
+            _publish(tmp_path / ".last.tmp", tmp_path / "last")
+
+    thread = threading.Thread(target=publish_again_and_again)
+    thread.start()
+    try:
+        for _ in range(3000):
+            assert find(tmp_path, "last").name in ("last", ".last.old")
+    finally:
+        done.set()
+        thread.join()
