@@ -10,6 +10,7 @@ writes everything to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fnmatch
 import json
@@ -222,16 +223,31 @@ def plan(args) -> list[dict]:
     return configs
 
 
+def start_session(cmd: list[str], **popen) -> subprocess.Popen:
+    """Popen(cmd) in a process session of its own (killed whole, its ranks too), which a SIGTERM, SIGINT or
+    SIGHUP to this process also kills before this process exits 128 + the signal, with one line on stderr."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+
+    def stop(signum, frame):  # its own session is out of the signal's reach: the ranks would train on, orphaned
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        print(f"{Path(sys.argv[0]).name}: stopped by {signal.Signals(signum).name}; killed its child", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop)
+    return proc
+
+
 def run_child(config: dict, timeout: float) -> dict:
     """One configuration in a fresh interpreter (its own session, so a timeout ends its ranks too)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(
+    proc = start_session(
         [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(config)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

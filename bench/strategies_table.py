@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import start_session  # bench/bench.py, next to this script
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = {
     "single": "strategy=single",
@@ -79,18 +81,20 @@ def variant(text: str) -> tuple[str, list[str]]:
 
 def run(name: str, overrides: list[str], run_dir: Path) -> dict:
     start = time.time()
-    proc = subprocess.run(
+    proc = start_session(  # stopping this process stops the variant's train.py too, ranks and all
         [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
         text=True,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
+    stdout, stderr = proc.communicate()
     metrics_file = run_dir / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     print(f"{name}: exit {proc.returncode} in {time.time() - start:.0f} s", errors[-1] if errors else "", flush=True)
     if proc.returncode and not errors:
-        print(proc.stdout[-1500:], proc.stderr[-1500:], flush=True)
+        print(stdout[-1500:], stderr[-1500:], flush=True)
     return {
         "variant": name,
         "overrides": overrides,

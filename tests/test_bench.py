@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -177,19 +178,26 @@ def test_strategies_table_marks_what_runs_out_of_memory_and_reports_what_fits(tm
 
 def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped(tmp_path):
     """The table is written after each variant: a call stopped during a long variant (a device call's time
-    limit, Ctrl-C) keeps what finished, and says how much that is."""
+    limit, Ctrl-C) keeps what finished, and says how much that is. The long variant's train.py stops with it."""
     out = tmp_path / "t.md"
     cmd = strategies_table(out, "short:strategy=single", "long:strategy=single trainer.max_epochs=1000")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    sid = None
     try:
         deadline = time.time() + 240
         while not out.with_suffix(".json").is_file() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.5)
         time.sleep(2)  # well into the long variant
         assert proc.poll() is None, "the long variant should still be running"
+        sid = os.getsid(_children(proc.pid)[0])  # the long variant's train.py
+        err = _sigterm(proc, sid)
+        assert _session(sid) == [], "the long variant outlived strategies_table.py"
+        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1] == "strategies_table.py: stopped by SIGTERM; killed its child"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_groups(proc, sid)
     (short,) = json.loads(out.with_suffix(".json").read_text())
     assert short["variant"] == "short" and short["status"] == "completed"
     text = out.read_text()
@@ -298,6 +306,64 @@ def test_a_loader_process_killed_outright_fails_the_run_at_once(tmp_path):
     failed = json.loads(out.read_text())["runs"]["loader2-classic1"]
     assert proc.returncode == 1 and not failed["ok"], output[-2000:]
     assert "its process died (exit code -9) before answering" in failed["error"]
+
+
+def _session(sid: int) -> list[int]:
+    """The live (not zombie) processes of session `sid` (Linux /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _, _, session = stat[stat.rfind(")") + 2 :].split()[:4]  # after "pid (comm) "
+        if int(session) == sid and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _sigterm(proc: subprocess.Popen, sid: int) -> str:
+    """SIGTERM to `proc`; its stderr, once it has exited and session `sid` has emptied (or 10 s have passed)."""
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    deadline = time.monotonic() + 10
+    while _session(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return err
+
+
+def _kill_groups(proc: subprocess.Popen, sid: int | None) -> None:
+    """Whatever a failed test left: `proc`'s process group (its own session) and session `sid`'s leader's."""
+    for group in (proc.pid, sid):
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+    proc.wait()
+
+
+def test_bench_stopped_from_outside_ends_its_runs_processes(tmp_path):
+    """A SIGTERM to bench.py (an outer `timeout`, a device call's time limit) also ends the run it was waiting
+    for: that run's session (its own, with the ranks train.py spawned) would otherwise keep training."""
+    args = ("--smoke", "--only", "ddp2-gpu", "--epochs", "1000", "--timeout", "300", "--out", str(tmp_path / "b.json"))
+    proc = subprocess.Popen(
+        [*BENCH, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    sid = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            children = _children(proc.pid)
+            if children and len(_session(os.getsid(children[0]))) >= 3:  # bench.py --one and its two ranks
+                sid = os.getsid(children[0])
+                break
+        assert sid is not None, "no run with its ranks seen"
+        err = _sigterm(proc, sid)
+        assert _session(sid) == [], "the run's processes outlived bench.py"
+        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1] == "bench.py: stopped by SIGTERM; killed its child"
+    finally:
+        _kill_groups(proc, sid)
 
 
 @pytest.mark.parametrize("model", ["resnet50", "vit_b16", "resnet18"])
