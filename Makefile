@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-dali slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -49,6 +49,11 @@ bench: install  ## speed benchmark (GPU); ARGS="--smoke" runs the tiny CPU mode
 MODEL ?= resnet50
 bench-strategies: install  ## single, ddp, fsdp on 2 and 4 GPUs, compiled, one table (GPU): MODEL=resnet50|vit_b16|resnet18
 	$(PY) bench/strategies_table.py --scaling $(MODEL) $(ARGS)
+
+GPUS ?= 1
+bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU; pip install nvidia-dali-cuda130): SHARDS=<pack> GPUS=1|4
+	$(PY) -m torch.distributed.run --nproc-per-node $(GPUS) bench/dali_anchor.py --shards $(SHARDS) --mode loop \
+		--hw-decoder-load 0 --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
 MAX_SIDE ?=

@@ -414,9 +414,10 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
 # --- the children: one configuration each ---------------------------------------------------------
 
 
-def child_ceiling(spec: dict) -> dict:
-    """Train steps on one fixed random batch already on the device: forward, the loop's objective
-    (cross-entropy and top-1 hits, compiled with the model), backward, fused SGD step."""
+def ceiling_step(spec: dict, device, after_backward=None):
+    """`step(x, y)`: the ceiling's train step (forward, the loop's objective: cross-entropy and top-1 hits,
+    compiled with the model; backward; fused SGD step) of spec's model, precision and compile mode.
+    `after_backward(params)` runs between the backward and the optimizer step (dali_anchor.py's gradient sync)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -424,10 +425,9 @@ def child_ceiling(spec: dict) -> dict:
     from src.run.loss import build_loss_terms
     from src.run.optim import build_optimizer
 
-    device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every rank of dali_anchor.py starts from the same weights
     fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     model_cfg = OmegaConf.load(ROOT / "conf/model" / f"{spec.get('model_yaml', spec['model'])}.yaml")
     model_cfg.update(spec.get("model_options", {}))
@@ -435,23 +435,38 @@ def child_ceiling(spec: dict) -> dict:
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
     forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
     objective = build_loss_terms(spec["compile"], spec["compile_mode"] or "default")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(x, y):
+        if spec["compile"]:
+            torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: the last step's outputs are dead
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
+            loss, _ = objective(forward(x), y, 1 / len(y))
+        loss.backward()
+        if after_backward is not None:
+            after_backward(params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def child_ceiling(spec: dict) -> dict:
+    """Train steps (ceiling_step) on one fixed random batch already on the device."""
+    import torch
+
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    step = ceiling_step(spec, device)
+    fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     size = spec.get("image_size", 32)
     x = torch.randn(spec["batch"], 3, size, size, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (spec["batch"],), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step():
-        if spec["compile"]:
-            torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: the last step's outputs are dead
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
-            loss, _ = objective(forward(x), y, 1 / spec["batch"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     t0 = time.perf_counter()
     for _ in range(spec["warmup"]):  # compilation and cuDNN autotuning happen here
-        step()
+        step(x, y)
     sync()
     warmup_sec, seconds = time.perf_counter() - t0, []
     for _ in range(spec["windows"]):
@@ -459,14 +474,14 @@ def child_ceiling(spec: dict) -> dict:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             for _ in range(spec["steps"]):
-                step()
+                step(x, y)
             end.record()
             end.synchronize()
             seconds.append(begin.elapsed_time(end) / 1000)
         else:
             t0 = time.perf_counter()
             for _ in range(spec["steps"]):
-                step()
+                step(x, y)
             seconds.append(time.perf_counter() - t0)
     return {
         "images_per_sec": spec["batch"] * spec["steps"] / statistics.median(seconds),

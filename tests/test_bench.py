@@ -395,3 +395,31 @@ def test_strategies_table_scaling_preset_composes_each_run(model, tmp_path):
         steps = len(load_data(cfg.data).train) // cfg.data.batch_size
         timed = cfg.trainer.max_epochs - 1
         assert timed * steps >= 100 and (timed == 2 or (timed - 1) * steps < 100), (name, steps, timed)
+
+
+def test_dali_anchor_reads_the_packs_training_images_byte_for_byte(tmp_path):
+    """dali_anchor.py hands DALI's file reader the pack's training images as a folder: each file holds the bytes
+    of one image of the ImageFolder the pack was made from, under its label's folder; a second call reuses it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from dali_anchor import unpack
+
+    from tests.data.test_decode import write_tree
+
+    write_tree(tmp_path / "tree", per_class=(5, 2))
+    pack = subprocess.run(
+        [sys.executable, "-m", "src.data.shards", "pack", str(tmp_path / "tree"), str(tmp_path / "pack")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert pack.returncode == 0, pack.stderr
+    folder = unpack(tmp_path / "pack", tmp_path / "folder")
+    got = sorted((p.parent.name, p.read_bytes()) for p in folder.glob("*/*.jpg"))
+    want = sorted(
+        (f"{label:04d}", p.read_bytes())
+        for label, c in enumerate("ab")
+        for p in (tmp_path / "tree/train" / c).iterdir()
+    )
+    assert len(got) == 10 and got == want
+    (folder / "0000" / "0000000.jpg").unlink()  # a finished folder is not written again
+    assert unpack(tmp_path / "pack", tmp_path / "folder") == folder and not (folder / "0000" / "0000000.jpg").exists()

@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""DALI's standard ResNet-50 training pipeline beside ddplab's loaders: the anchor of the disk path.
+
+    torchrun --nproc-per-node N bench/dali_anchor.py --shards data/il256 --mode loader|loop --out X.json
+
+The pipeline is the one NVIDIA's ResNet-50 examples train with: `readers.file` (sharded by rank, shuffled),
+`decoders.image_random_crop` on device "mixed" (it decodes only the crop's region; the GPU's hardware JPEG
+decoder where there is one), resize to the training size, `crop_mirror_normalize` with a random flip.
+It reads the images of a ddplab shard pack (`python -m src.data.shards pack`), written out once as a folder.
+
+- `loader`: the pipeline alone on every rank at once (images/s summed over ranks);
+- `loop`: bench.py's ceiling step (the same model, loss, fused SGD, bf16, channels_last, CUDA graphs) fed by
+  DALI; with N ranks the gradients are averaged by one all-reduce of a flat buffer after the backward, as
+  ddplab's ddp does (`strategy.gradient_sync=auto`). Then the same step on one batch left on the GPU: the
+  ceiling, measured in the same process.
+
+Needs `nvidia-dali-cuda130` (not a ddplab requirement). Results: bench/results/dali-anchor_*.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def unpack(shards: Path, folder: Path) -> Path:
+    """The pack's training images as an ImageFolder (one sub-folder per label), written once: DALI's file
+    reader takes a folder. Returns the folder; `.complete` marks a finished one."""
+    from src.data.shards import read_meta
+
+    if (folder / ".complete").exists():
+        return folder
+    info = read_meta(shards)
+    index = np.load(shards / "train-index.npz")
+    files = info["splits"]["train"]["shards"]
+    for label in range(len(info["classes"])):
+        (folder / f"{label:04d}").mkdir(parents=True, exist_ok=True)
+    handles = [open(shards / name, "rb") for name in files]
+    try:
+        for i, (shard, offset, length, label) in enumerate(
+            zip(index["shard"], index["offset"], index["length"], index["label"])
+        ):
+            handles[shard].seek(int(offset))
+            (folder / f"{int(label):04d}" / f"{i:07d}.jpg").write_bytes(handles[shard].read(int(length)))
+    finally:
+        for handle in handles:
+            handle.close()
+    (folder / ".complete").write_text(str(len(index["label"])))
+    return folder
+
+
+def build_iterator(folder: Path, args, rank: int, world: int, local_rank: int):
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    decoder_options = {} if args.hw_decoder_load is None else {"hw_decoder_load": args.hw_decoder_load}
+
+    @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=local_rank, prefetch_queue_depth=2)
+    def pipeline():
+        jpegs, labels = fn.readers.file(
+            file_root=str(folder), shard_id=rank, num_shards=world, random_shuffle=True, name="Reader"
+        )
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device="mixed",
+            output_type=types.RGB,
+            random_aspect_ratio=[0.75, 4 / 3],
+            random_area=[0.08, 1.0],
+            num_attempts=100,
+            **decoder_options,
+        )
+        images = fn.resize(images, device="gpu", resize_x=args.image_size, resize_y=args.image_size)
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="HWC",  # NHWC: seen as NCHW it is channels_last without a copy
+            mean=MEAN,
+            std=STD,
+            mirror=fn.random.coin_flip(probability=0.5),
+        )
+        return images, labels.gpu()
+
+    pipe = pipeline(seed=1234 + rank)
+    pipe.build()
+    return DALIGenericIterator(
+        [pipe], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP, auto_reset=True
+    )
+
+
+def batches(iterator):
+    """(x as channels_last NCHW, y) forever, epoch after epoch."""
+    while True:
+        for out in iterator:
+            yield out[0]["x"].permute(0, 3, 1, 2), out[0]["y"].view(-1).long()
+
+
+def make_step(args, device: torch.device, world: int):
+    """bench.py's ceiling step, fed a batch each time; with world > 1 the gradients are packed into one flat
+    buffer, all-reduced and averaged after the backward."""
+    from bench import ceiling_step
+
+    spec = {"model": args.model, "model_yaml": "torchvision", "model_options": {"name": args.model}}
+    spec.update(channels_last=True, amp=True, compile=True, compile_mode="reduce-overhead")
+    flat = None
+
+    def average(params):
+        nonlocal flat
+        grads = [p.grad for p in params]
+        flat = torch.empty(sum(g.numel() for g in grads), device=device) if flat is None else flat
+        torch.cat([g.reshape(-1) for g in grads], out=flat)  # conv grads are channels_last
+        dist.all_reduce(flat)
+        flat.div_(world)
+        torch._foreach_copy_(grads, [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    return ceiling_step(spec, device, average if world > 1 else None)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards", required=True, help="a ddplab pack (python -m src.data.shards pack)")
+    p.add_argument("--folder", help="where its training images are written out once (default <shards>-folder)")
+    p.add_argument("--mode", choices=["loader", "loop"], required=True)
+    p.add_argument("--model", default="resnet50", help="a torchvision classifier (default resnet50)")
+    p.add_argument("--batch", type=int, default=256, help="images per GPU per step")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--threads", type=int, help="DALI CPU threads per GPU (default: the host's CPUs / GPUs - 1)")
+    p.add_argument("--hw-decoder-load", type=float, help="share of the decoding on the hardware JPEG decoder")
+    p.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--steps", type=int, default=200, help="timed steps")
+    p.add_argument("--out", required=True, help="JSON file (rank 0 writes it)")
+    args = p.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    args.threads = args.threads or max(1, (os.cpu_count() or 2) // local_world - 1)
+    shards = Path(args.shards)
+    folder = Path(args.folder or f"{shards}-folder")
+    if rank == 0:
+        unpack(shards, folder)
+    dist.barrier()
+    iterator = build_iterator(folder, args, rank, world, local_rank)
+    source = batches(iterator)
+    step = make_step(args, device, world) if args.mode == "loop" else None
+
+    last = []
+
+    def fed():  # one step on DALI's next batch (loader mode: the batch alone)
+        x, y = next(source)
+        last[:] = [x, y]
+        if step is not None:
+            step(x, y)
+        return len(y)
+
+    def resident():  # the ceiling: the same step on one batch already on the GPU
+        step(*last)
+        return len(last[1])
+
+    def timed(one, steps: int) -> tuple[int, float]:
+        for _ in range(args.warmup):
+            one()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        images = sum(one() for _ in range(steps))
+        torch.cuda.synchronize()
+        return images, time.perf_counter() - t0
+
+    images, seconds = timed(fed, args.steps)
+    ceiling = None
+    if step is not None:
+        last[:] = [t.clone() for t in last]
+        ceiling = timed(resident, args.steps)
+    each = [None] * world
+    dist.all_gather_object(each, {"rank": rank, "images": images, "seconds": seconds, "ceiling": ceiling})
+    if rank == 0:
+        import nvidia.dali
+
+        report = {
+            "mode": args.mode,
+            "gpus": world,
+            "images_per_sec": sum(e["images"] for e in each) / max(e["seconds"] for e in each),
+            "per_rank": each,
+            "ceiling_images_per_sec": None
+            if ceiling is None
+            else sum(e["ceiling"][0] for e in each) / max(e["ceiling"][1] for e in each),
+            "args": {k: v for k, v in vars(args).items()},
+            "train_images": int((folder / ".complete").read_text()),
+            "device_name": torch.cuda.get_device_name(device),
+            "cpus": os.cpu_count(),
+            "torch_version": torch.__version__,
+            "dali_version": nvidia.dali.__version__,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"dali {args.mode} x{world}: {report['images_per_sec']:.0f} images/s -> {args.out}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
