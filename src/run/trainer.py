@@ -173,15 +173,11 @@ class Trainer:
         self.loader = build_loader(
             self.data, cfg.data, self.device, t.channels_last, cfg.seed, t.compile, self.env.local_world_size
         )
-        self.optimizer = self.strategy.prepare_optimizer(
-            build_optimizer(
-                cfg.optim,
-                self.strategy.core,
-                fused=self.device.type == "cuda" and self.strategy.fused_optimizer,
-                head=self.head,
-            ),
-            self.device,
+        fused = self.device.type == "cuda"  # torch's fused optimizer kernels run on CUDA only
+        optimizer = build_optimizer(
+            cfg.optim, self.strategy.core, fused=fused and self.strategy.fused_optimizer, head=self.head
         )
+        self.optimizer = self.strategy.prepare_optimizer(optimizer, fused)
         self._last_plan = None
         self.steps_per_epoch = len(self.plan(0))
         self.step_log = StepLog(t.log_every_n_steps, self.device)

@@ -115,8 +115,9 @@ class Strategy:
         self.model = ctx.compiled(model)
         return self.model
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.optim.Optimizer:
-        """The optimizer built over `core`'s parameters, made ready for the loop to step."""
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, fused: bool) -> torch.optim.Optimizer:
+        """The optimizer built over `core`'s parameters, made ready for the loop to step; `fused`: the loop's
+        device has torch's fused optimizer kernels."""
         return optimizer
 
     def sync_context(self, boundary: bool):

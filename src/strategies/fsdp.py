@@ -121,10 +121,9 @@ class FSDP(_Distributed):
         self.eager = _Eager(model) if ctx.compile else model
         return self.model
 
-    def prepare_optimizer(self, optimizer, device):
-        """Stepped over the local shards, fused on CUDA (src/strategies/local_shards.py)."""
-        fused = device.type == "cuda" and not self.cpu_offload
-        return step_on_local_shards(optimizer, fused)
+    def prepare_optimizer(self, optimizer, fused):
+        """Stepped over the local shards, fused on CUDA unless they live on the CPU (src/strategies/local_shards.py)."""
+        return step_on_local_shards(optimizer, fused and not self.cpu_offload)
 
     def eval_module(self):
         self.sync_buffers()

@@ -12,7 +12,8 @@ import types
 
 import torch
 
-_SHARED = ("params", "fused", "foreach")  # a group's keys that are not its hyper-parameters
+_KERNELS = ("fused", "foreach")  # a group's choice of kernels: the twin's own
+_SHARED = ("params", *_KERNELS)  # a group's keys that are not its hyper-parameters
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer, fused: bool) -> torch.optim.Optimizer:
@@ -54,7 +55,7 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer, fused: bool) -> torch
         state = optimizer.state_dict()
         state["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in state["state"].items()}
         for group, own in zip(state["param_groups"], twin.param_groups):
-            group.update({k: own[k] for k in ("fused", "foreach") if k in own})
+            group.update({k: own[k] for k in _KERNELS if k in own})
         twin.load_state_dict(state)
         share_state()
 
