@@ -129,6 +129,26 @@ def make_step(args, device: torch.device, world: int):
     return ceiling_step(spec, device, average if world > 1 else None)
 
 
+def refused(shards: Path) -> str | None:
+    """Why this machine cannot run the anchor, in one line (before any process group starts)."""
+    import importlib.util
+
+    from src.config.errors import ConfigError
+    from src.data.shards import read_meta
+
+    try:
+        dali = importlib.util.find_spec("nvidia.dali")
+    except ModuleNotFoundError:  # no `nvidia` namespace at all
+        dali = None
+    if dali is None:
+        return "needs NVIDIA DALI, which ddplab does not install: pip install nvidia-dali-cuda130"
+    try:
+        read_meta(shards)
+    except ConfigError as exc:
+        return str(exc).replace("data.root: ", "--shards: ", 1)
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (DALI decodes on it)"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", required=True, help="a ddplab pack (python -m src.data.shards pack)")
@@ -143,6 +163,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--out", required=True, help="JSON file (rank 0 writes it)")
     args = p.parse_args()
+    refusal = refused(Path(args.shards))
+    if refusal:
+        sys.exit(f"dali_anchor.py: {refusal}")
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -423,3 +423,18 @@ def test_dali_anchor_reads_the_packs_training_images_byte_for_byte(tmp_path):
     assert len(got) == 10 and got == want
     (folder / "0000" / "0000000.jpg").unlink()  # a finished folder is not written again
     assert unpack(tmp_path / "pack", tmp_path / "folder") == folder and not (folder / "0000" / "0000000.jpg").exists()
+
+
+def test_dali_anchor_without_dali_says_what_to_install_in_one_line(tmp_path):
+    """This machine has no DALI (ddplab does not require it): the anchor refuses in one line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "bench/dali_anchor.py", "--shards", str(tmp_path), "--mode", "loop", "--out", "x.json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "dali_anchor.py: needs NVIDIA DALI, which ddplab does not install: pip install nvidia-dali-cuda130"
+    ]
