@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-dali slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-dali bench-airbench slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,10 @@ GPUS ?= 1
 bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU; pip install nvidia-dali-cuda130): SHARDS=<pack> GPUS=1|4
 	$(PY) -m torch.distributed.run --nproc-per-node $(GPUS) bench/dali_anchor.py --shards $(SHARDS) --mode loop \
 		--hw-decoder-load 0 --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
+
+DATA ?= data/cifar10-jpeg
+bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>
+	$(PY) bench/airbench_anchor.py --data $(DATA) --out outputs/bench/airbench96.json $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
 MAX_SIDE ?=

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -438,3 +439,47 @@ def test_dali_anchor_without_dali_says_what_to_install_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "dali_anchor.py: needs NVIDIA DALI, which ddplab does not install: pip install nvidia-dali-cuda130"
     ]
+
+
+def test_airbench_anchor_hands_airbench_the_jpegs_as_its_tensors_and_reads_its_final_row(tmp_path):
+    """airbench reads cifar10/{train,test}.pt: the anchor writes them from the JPEG folder ddplab trains on, pixel
+    for pixel as PIL decodes each file, labelled in ImageFolder order; it takes accuracy and time from the last
+    row airbench 0.1.8 prints (pasted below as airbench printed it)."""
+    from PIL import Image
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from airbench_anchor import export_tensors, final_row
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("test", 2)):
+        for c in ("cat", "dog"):
+            (tmp_path / "jpegs" / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+                    tmp_path / "jpegs" / split / c / f"{i}.jpg", quality=75
+                )
+    target = export_tensors(tmp_path / "jpegs", tmp_path / "work")
+    train = torch.load(target / "train.pt")
+    assert train["classes"] == ["cat", "dog"] and train["labels"].tolist() == [0, 0, 0, 1, 1, 1]
+    files = [tmp_path / "jpegs/train" / c / f"{i}.jpg" for c in ("cat", "dog") for i in range(3)]
+    want = np.stack([np.asarray(Image.open(f)) for f in files])
+    assert train["images"].dtype == torch.uint8 and np.array_equal(train["images"].numpy(), want)
+    assert torch.load(target / "test.pt")["images"].shape == (4, 32, 32, 3)
+
+    printed = """\
+|  run     |  epoch  |  train_loss  |  train_acc  |  val_acc  |  tta_val_acc  |  total_time_seconds  |
+|       1  |      0  |      0.5000  |     0.8000  |   0.9000  |               |                      |
+|          |   eval  |      0.1000  |     0.9500  |   0.9300  |       0.9347  |             20.8123  |
+"""
+    assert final_row(printed) == (0.9347, 20.8123)
+
+    Image.new("RGB", (40, 32)).save(tmp_path / "jpegs/train/cat/big.jpg")
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; "
+        "from airbench_anchor import export_tensors; "
+        "export_tensors(Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    args = [sys.executable, "-c", code, str(tmp_path / "jpegs"), str(tmp_path / "w2")]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "is 40×32 px" in proc.stderr
+    assert not list((tmp_path / "w2" / "cifar10").glob("*.pt"))
