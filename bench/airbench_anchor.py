@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -28,13 +29,24 @@ import numpy as np
 SPLITS = {"train": ("train",), "test": ("test", "val")}
 
 
+def fingerprint(folder: Path) -> str:
+    """A hash of the folder's files (path, size, modification time): another folder, or this one changed, gets
+    tensors of its own instead of the last one's."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(folder)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def export_tensors(folder: Path, out: Path) -> Path:
-    """`out/cifar10/{train,test}.pt` from an ImageFolder of 32×32 images (train/, test/ or val/), written once:
-    uint8 images N×32×32×3, int64 labels, class names, as airbench's CifarLoader reads them."""
+    """`out/<the folder's fingerprint>/cifar10/{train,test}.pt` from an ImageFolder of 32×32 images (train/, test/
+    or val/), written once per folder content: uint8 images N×32×32×3, int64 labels, class names, as airbench's
+    CifarLoader reads them. Returns that cifar10/ folder."""
     import torch
     from PIL import Image
 
-    target = out / "cifar10"
+    target = out / fingerprint(folder) / "cifar10"
     if all((target / f"{split}.pt").exists() for split in SPLITS):
         return target
     target.mkdir(parents=True, exist_ok=True)
@@ -100,8 +112,7 @@ def main() -> int:
     import torch
 
     work = Path(args.work).resolve()
-    export_tensors(data, work)
-    os.chdir(work)  # airbench opens cifar10/ relative to the working directory
+    os.chdir(export_tensors(data, work).parent)  # airbench opens cifar10/ relative to the working directory
     with contextlib.redirect_stdout(io.StringIO()):
         airbench.warmup96()  # one step: compilation and cuDNN autotuning, untimed
     runs = []

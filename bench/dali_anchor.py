@@ -20,6 +20,7 @@ Needs `nvidia-dali-cuda130` (not a ddplab requirement). Results: bench/results/d
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -37,19 +38,37 @@ MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
+def pack_identity(shards: Path) -> str:
+    """What tells two packs apart: a hash of meta.json and the training index (a pack is renamed into place
+    whole, so these change whenever its images do)."""
+    digest = hashlib.sha256((shards / "meta.json").read_bytes())
+    digest.update((shards / "train-index.npz").read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def unpack(shards: Path, folder: Path) -> Path:
     """The pack's training images as an ImageFolder (one sub-folder per label), written once: DALI's file
-    reader takes a folder. Returns the folder; `.complete` marks a finished one."""
+    reader takes a folder. `.complete` marks a finished one with its pack's identity; a folder of another pack,
+    or one holding files this script did not write, is refused in one line, never written into."""
     from src.data.shards import read_meta
 
-    if (folder / ".complete").exists():
-        return folder
     info = read_meta(shards)
+    identity = pack_identity(shards)
+    done, started = folder / ".complete", folder / ".unpacking"
+    if done.exists():
+        if json.loads(done.read_text())["pack"] != identity:
+            raise SystemExit(
+                f"dali_anchor.py: {folder} holds another pack's images; remove it or pass another --folder"
+            )
+        return folder
+    if folder.exists() and any(folder.iterdir()) and not started.exists():
+        raise SystemExit(f"dali_anchor.py: {folder} holds files this script did not write; pass another --folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    started.write_text(identity)
     index = np.load(shards / "train-index.npz")
-    files = info["splits"]["train"]["shards"]
     for label in range(len(info["classes"])):
-        (folder / f"{label:04d}").mkdir(parents=True, exist_ok=True)
-    handles = [open(shards / name, "rb") for name in files]
+        (folder / f"{label:04d}").mkdir(exist_ok=True)
+    handles = [open(shards / name, "rb") for name in info["splits"]["train"]["shards"]]
     try:
         for i, (shard, offset, length, label) in enumerate(
             zip(index["shard"], index["offset"], index["length"], index["label"])
@@ -59,7 +78,8 @@ def unpack(shards: Path, folder: Path) -> Path:
     finally:
         for handle in handles:
             handle.close()
-    (folder / ".complete").write_text(str(len(index["label"])))
+    done.write_text(json.dumps({"pack": identity, "images": len(index["label"])}))
+    started.unlink()
     return folder
 
 
@@ -225,7 +245,7 @@ def main() -> int:
             if ceiling is None
             else sum(e["ceiling"][0] for e in each) / max(e["ceiling"][1] for e in each),
             "args": {k: v for k, v in vars(args).items()},
-            "train_images": int((folder / ".complete").read_text()),
+            "train_images": json.loads((folder / ".complete").read_text())["images"],
             "device_name": torch.cuda.get_device_name(device),
             "cpus": os.cpu_count(),
             "torch_version": torch.__version__,

@@ -425,6 +425,21 @@ def test_dali_anchor_reads_the_packs_training_images_byte_for_byte(tmp_path):
     (folder / "0000" / "0000000.jpg").unlink()  # a finished folder is not written again
     assert unpack(tmp_path / "pack", tmp_path / "folder") == folder and not (folder / "0000" / "0000000.jpg").exists()
 
+    write_tree(tmp_path / "tree2", per_class=(4, 2), seed=1)  # another pack, the same folder: refused
+    subprocess.run(
+        [sys.executable, "-m", "src.data.shards", "pack", str(tmp_path / "tree2"), str(tmp_path / "pack2")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    with pytest.raises(SystemExit, match="holds another pack's images"):
+        unpack(tmp_path / "pack2", folder)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(SystemExit, match="holds files this script did not write"):
+        unpack(tmp_path / "pack", tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
 
 def test_dali_anchor_without_dali_says_what_to_install_in_one_line(tmp_path):
     """This machine has no DALI (ddplab does not require it): the anchor refuses in one line, no traceback."""
@@ -482,4 +497,9 @@ def test_airbench_anchor_hands_airbench_the_jpegs_as_its_tensors_and_reads_its_f
     args = [sys.executable, "-c", code, str(tmp_path / "jpegs"), str(tmp_path / "w2")]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "is 40×32 px" in proc.stderr
-    assert not list((tmp_path / "w2" / "cifar10").glob("*.pt"))
+    assert not list((tmp_path / "w2").rglob("*.pt"))
+    (tmp_path / "jpegs/train/cat/big.jpg").unlink()
+    Image.new("RGB", (32, 32)).save(tmp_path / "jpegs/train/cat/new.jpg")  # the folder changed: tensors of its own
+    changed = export_tensors(tmp_path / "jpegs", tmp_path / "work")
+    assert changed != target and len(torch.load(changed / "train.pt")["labels"]) == 7
+    assert len(torch.load(target / "train.pt")["labels"]) == 6
