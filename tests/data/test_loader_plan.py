@@ -15,7 +15,7 @@ from src.data.datasets import check_data_config
 from src.data.loader_plan import LoaderOptions, LoaderPlan, resolve_plan
 from src.run.trainer import train
 from src.state.resume import current_config
-from tests.conftest import make_cfg, read_metrics
+from tests.conftest import ROOT, make_cfg, read_metrics
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 IN_MEMORY, ENCODED, OWN = (True, False), (False, True), (False, False)  # (in_memory, encoded)
@@ -99,3 +99,13 @@ def test_a_digits_run_with_the_old_loader_name_trains(tmp_path):
     assert old["test_count"] == 360 and old["test_loss"] == new["test_loss"]
     saved = read_metrics(tmp_path / "classic" / "run")
     assert saved["hparams"]["loader"] == "workers" and saved["config"]["data"]["loader"] == "workers"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf/experiment").glob("*.yaml")))
+def test_no_shipped_preset_uses_an_old_name(tmp_path, caplog, preset):
+    """The old names are for users' saved commands and runs: ddplab's own presets say the current ones, so that
+    running one prints no renaming warning."""
+    cfg = make_cfg(tmp_path, f"experiment={preset}", f"data.root={tmp_path}")  # presets of a folder need one
+    with caplog.at_level(logging.WARNING, logger="src.data.datasets"):
+        check_data_config(cfg.data)
+    assert not [r.getMessage() for r in caplog.records if "is now called" in r.getMessage()]
