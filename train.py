@@ -40,10 +40,19 @@ def main(cfg: DictConfig) -> float | None:
         )
         sys.exit(128 + signum)
     value = float(metrics.get(cfg.objective.metric, math.nan))  # what a sweeper optimizes: never a test figure
-    if math.isnan(value):  # a sweeper records the point as failed, not as a number to compare
+    if not math.isnan(value):
+        return value
+    if _sweeper_reads_objective():  # it records the point as failed, not as a number to compare: say why
         logging.getLogger("ddplab").warning("objective %s: this run has no validation split", cfg.objective.metric)
-        return None
-    return value
+    return None
+
+
+def _sweeper_reads_objective() -> bool:
+    """A search (hparams_search=optuna) scores each point by main's return value; a run or a `-m` grid ignores it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg.mode.name == "MULTIRUN" and "BasicSweeper" not in str(hydra_cfg.sweeper.get("_target_", ""))
 
 
 if __name__ == "__main__":

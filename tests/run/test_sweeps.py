@@ -239,3 +239,20 @@ def test_a_jobs_record_subdir_is_decided_once_and_no_job_dir_means_no_log_file(t
     assert cfg.log == f"{tmp_path}/train.log"
     cfg.hydra.runtime.output_dir = None
     assert cfg.log == os.devnull
+
+
+def test_no_validation_split_is_a_warning_only_where_a_search_scores_the_run(tmp_path):
+    """main's return value is what a search (Optuna) scores: without a validation split the trial has no score and
+    the warning says why. A plain run ignores the value, so a preset without one (cifar10_94) warns of nothing."""
+    plain = run_cli("debug=fast", "data.val_fraction=0", f"paths.log_dir={tmp_path}")
+    assert plain.returncode == 0 and "objective" not in plain.stdout + plain.stderr, plain.stderr[-2000:]
+    search = run_cli(
+        "hparams_search=optuna",
+        "debug=fast",
+        "data.val_fraction=0",
+        "optim.lr=choice(0.05,0.1)",
+        "hydra.sweeper.n_trials=1",
+        f"hydra.sweep.dir={tmp_path / 'search'}",
+        timeout=300,
+    )
+    assert "objective val_top1: this run has no validation split" in search.stdout + search.stderr
