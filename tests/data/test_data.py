@@ -132,9 +132,9 @@ for option in BEFORE.values():
     option.update(RECIPES)
 JPEG = {"root": "${paths.data_dir}/cifar10-jpeg", "batch_size": 512}
 BEFORE_EXPERIMENTS = {
-    "cifar10_94": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 8, "loader": "gpu"},
+    "cifar10_94": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 8, "loader": "resident"},
     "cifar10_jpeg": {**BEFORE["imagefolder"], **JPEG, "num_workers": 8},
-    "cifar10_long": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 16, "loader": "gpu"},
+    "cifar10_long": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 16, "loader": "resident"},
     "seeds_cifar100": BEFORE["cifar100"],
 }
 BUILDERS = {
