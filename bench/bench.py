@@ -414,10 +414,11 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
 # --- the children: one configuration each ---------------------------------------------------------
 
 
-def ceiling_step(spec: dict, device, after_backward=None):
-    """`step(x, y)`: the ceiling's train step (forward, the loop's objective: cross-entropy and top-1 hits,
-    compiled with the model; backward; fused SGD step) of spec's model, precision and compile mode.
-    `after_backward(params)` runs between the backward and the optimizer step (dali_anchor.py's gradient sync)."""
+def ceiling_step(spec: dict, device, gradient_sync=None, ranks: int = 1):
+    """(`step(x, y)`, the model it trains): the ceiling's train step (forward, the loop's objective: cross-entropy
+    and top-1 hits, compiled with the model; backward; fused SGD step) of spec's model, precision and compile mode.
+    `gradient_sync(params)` makes what sums the gradients over `ranks` ranks between the backward and the
+    optimizer step (dali_anchor.py: ddp's FlatGradientSync); the loss is then scaled to their mean, as the trainer's."""
     import torch
     from omegaconf import OmegaConf
 
@@ -435,20 +436,20 @@ def ceiling_step(spec: dict, device, after_backward=None):
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
     forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
     objective = build_loss_terms(spec["compile"], spec["compile_mode"] or "default")
-    params = [p for p in model.parameters() if p.requires_grad]
+    sync = gradient_sync(model.parameters()) if gradient_sync is not None else None
 
     def step(x, y):
         if spec["compile"]:
             torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: the last step's outputs are dead
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["amp"]):
-            loss, _ = objective(forward(x), y, 1 / len(y))
+            loss, _ = objective(forward(x), y, 1 / (len(y) * ranks))
         loss.backward()
-        if after_backward is not None:
-            after_backward(params)
+        if sync is not None:
+            sync()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return step, model
 
 
 def child_ceiling(spec: dict) -> dict:
@@ -457,7 +458,7 @@ def child_ceiling(spec: dict) -> dict:
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
-    step = ceiling_step(spec, device)
+    step, _ = ceiling_step(spec, device)
     fmt = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     size = spec.get("image_size", 32)
     x = torch.randn(spec["batch"], 3, size, size, device=device).contiguous(memory_format=fmt)

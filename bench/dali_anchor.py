@@ -34,8 +34,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+from src.data.datasets import IMAGENET_STATS  # noqa: E402  (src is importable once ROOT is on the path)
+
+MEAN, STD = ([255 * v for v in stats] for stats in IMAGENET_STATS)  # DALI normalizes 0..255 pixels
 
 
 def pack_identity(shards: Path) -> str:
@@ -129,24 +130,15 @@ def batches(iterator):
 
 
 def make_step(args, device: torch.device, world: int):
-    """bench.py's ceiling step, fed a batch each time; with world > 1 the gradients are packed into one flat
-    buffer, all-reduced and averaged after the backward."""
+    """bench.py's ceiling step, fed a batch each time; with world > 1 the gradients are summed over the ranks by
+    ddp's one flat all-reduce after the backward (FlatGradientSync), of a loss scaled to the ranks' mean."""
     from bench import ceiling_step
+    from src.strategies.ddp import FlatGradientSync
 
     spec = {"model": args.model, "model_yaml": "torchvision", "model_options": {"name": args.model}}
     spec.update(channels_last=True, amp=True, compile=True, compile_mode="reduce-overhead")
-    flat = None
-
-    def average(params):
-        nonlocal flat
-        grads = [p.grad for p in params]
-        flat = torch.empty(sum(g.numel() for g in grads), device=device) if flat is None else flat
-        torch.cat([g.reshape(-1) for g in grads], out=flat)  # conv grads are channels_last
-        dist.all_reduce(flat)
-        flat.div_(world)
-        torch._foreach_copy_(grads, [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
-
-    return ceiling_step(spec, device, average if world > 1 else None)
+    step, _ = ceiling_step(spec, device, FlatGradientSync if world > 1 else None, ranks=world)
+    return step
 
 
 def refused(shards: Path) -> str | None:

@@ -182,9 +182,7 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
     limit, Ctrl-C) keeps what finished, and says how much that is. The long variant's train.py stops with it."""
     out = tmp_path / "t.md"
     cmd = strategies_table(out, "short:strategy=single", "long:strategy=single trainer.max_epochs=1000")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = _start(cmd)
     sid = None
     try:
         deadline = time.time() + 240
@@ -193,10 +191,7 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
         time.sleep(2)  # well into the long variant
         assert proc.poll() is None, "the long variant should still be running"
         sid = os.getsid(_children(proc.pid)[0])  # the long variant's train.py
-        err = _sigterm(proc, sid)
-        assert _session(sid) == [], "the long variant outlived strategies_table.py"
-        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
-        assert err.strip().splitlines()[-1] == "strategies_table.py: stopped by SIGTERM; killed its child"
+        _stop_and_check(proc, sid, "strategies_table.py")
     finally:
         _kill_groups(proc, sid)
     (short,) = json.loads(out.with_suffix(".json").read_text())
@@ -323,14 +318,24 @@ def _session(sid: int) -> list[int]:
     return found
 
 
-def _sigterm(proc: subprocess.Popen, sid: int) -> str:
-    """SIGTERM to `proc`; its stderr, once it has exited and session `sid` has emptied (or 10 s have passed)."""
+def _start(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` in a session of its own (killed whole by _kill_groups if the test fails), its stderr kept."""
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _stop_and_check(proc: subprocess.Popen, sid: int, script: str) -> None:
+    """SIGTERM to `proc` (running `script`): it ends session `sid` (its child's) with it, exits 128 + SIGTERM and
+    says so in its last line, without a traceback."""
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=10)
     deadline = time.monotonic() + 10
     while _session(sid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return err
+    assert _session(sid) == [], f"its child's processes outlived {script}"
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"{script}: stopped by SIGTERM; killed its child"
 
 
 def _kill_groups(proc: subprocess.Popen, sid: int | None) -> None:
@@ -346,9 +351,7 @@ def test_bench_stopped_from_outside_ends_its_runs_processes(tmp_path):
     """A SIGTERM to bench.py (an outer `timeout`, a device call's time limit) also ends the run it was waiting
     for: that run's session (its own, with the ranks train.py spawned) would otherwise keep training."""
     args = ("--smoke", "--only", "ddp2-gpu", "--epochs", "1000", "--timeout", "300", "--out", str(tmp_path / "b.json"))
-    proc = subprocess.Popen(
-        [*BENCH, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = _start([*BENCH, *args])
     sid = None
     try:
         deadline = time.monotonic() + 120
@@ -359,10 +362,7 @@ def test_bench_stopped_from_outside_ends_its_runs_processes(tmp_path):
                 sid = os.getsid(children[0])
                 break
         assert sid is not None, "no run with its ranks seen"
-        err = _sigterm(proc, sid)
-        assert _session(sid) == [], "the run's processes outlived bench.py"
-        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
-        assert err.strip().splitlines()[-1] == "bench.py: stopped by SIGTERM; killed its child"
+        _stop_and_check(proc, sid, "bench.py")
     finally:
         _kill_groups(proc, sid)
 
@@ -503,3 +503,58 @@ def test_airbench_anchor_hands_airbench_the_jpegs_as_its_tensors_and_reads_its_f
     changed = export_tensors(tmp_path / "jpegs", tmp_path / "work")
     assert changed != target and len(torch.load(changed / "train.pt")["labels"]) == 7
     assert len(torch.load(target / "train.pt")["labels"]) == 6
+
+
+CEILING_CPU = {"model": "tiny_cnn", "channels_last": False, "amp": False, "compile": False, "compile_mode": None}
+CEILING_CPU["model_options"] = {"batch_norm": False}  # a gradient that does not depend on how the batch is split
+
+
+def _ceiling_rank(rank: int, port: int, x, y, out) -> None:
+    """One of two gloo ranks: the ceiling's step on its half of the batch, gradients summed by ddp's flat sync."""
+    import torch.distributed as dist
+
+    from src.strategies.ddp import FlatGradientSync
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench import ceiling_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        step, model = ceiling_step(CEILING_CPU, torch.device("cpu"), FlatGradientSync, ranks=2)
+        half = len(y) // 2
+        step(x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half])
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, [p.detach().numpy().copy() for p in model.parameters()]))  # by value: this process ends
+
+
+def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
+    """dali_anchor.py's ranks: each steps on its half of a batch, the gradients summed by ddp's FlatGradientSync
+    of a loss scaled to the ranks' mean; both end with the weights one process gets from the whole batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench import ceiling_step
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+    step, model = ceiling_step(CEILING_CPU, torch.device("cpu"))
+    step(x, y)
+    want = [p.detach().numpy() for p in model.parameters()]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ceiling_rank, args=(rank, port, x, y, out)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    for rank in range(2):
+        assert all(np.allclose(g, w, atol=1e-6) for g, w in zip(got[rank], want)), rank
+    _, untrained = ceiling_step(CEILING_CPU, torch.device("cpu"))
+    assert any(not np.array_equal(w, p.detach().numpy()) for w, p in zip(want, untrained.parameters()))  # it stepped
