@@ -97,10 +97,15 @@ def refused(folder: Path) -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA GPU (airbench trains on cuda:0)"
 
 
+def seeds(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers (a ValueError becomes argparse's one-line usage error)."""
+    return [int(s) for s in text.split(",")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="the CIFAR-10 JPEG ImageFolder (train/, test/)")
-    p.add_argument("--seeds", default="2,4,42", help="comma-separated seeds, one airbench96 run each")
+    p.add_argument("--seeds", type=seeds, default="2,4,42", help="comma-separated seeds, one airbench96 run each")
     p.add_argument("--work", default="outputs/bench/airbench", help="where cifar10/{train,test}.pt are written")
     p.add_argument("--out", required=True, help="JSON file")
     args = p.parse_args()
@@ -116,7 +121,7 @@ def main() -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         airbench.warmup96()  # one step: compilation and cuDNN autotuning, untimed
     runs = []
-    for k, seed in enumerate(int(s) for s in args.seeds.split(",")):
+    for k, seed in enumerate(args.seeds):
         torch.manual_seed(seed)
         printed = io.StringIO()
         t0 = time.perf_counter()

@@ -161,18 +161,34 @@ def refused(shards: Path) -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA GPU (DALI decodes on it)"
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (argparse turns the ValueError into its one-line usage error)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def share(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(text)
+    return value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", required=True, help="a ddplab pack (python -m src.data.shards pack)")
     p.add_argument("--folder", help="where its training images are written out once (default <shards>-folder)")
     p.add_argument("--mode", choices=["loader", "loop"], required=True)
     p.add_argument("--model", default="resnet50", help="a torchvision classifier (default resnet50)")
-    p.add_argument("--batch", type=int, default=256, help="images per GPU per step")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--threads", type=int, help="DALI CPU threads per GPU (default: the host's CPUs / GPUs - 1)")
-    p.add_argument("--hw-decoder-load", type=float, help="share of the decoding on the hardware JPEG decoder")
-    p.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation, autotuning)")
-    p.add_argument("--steps", type=int, default=200, help="timed steps")
+    p.add_argument("--batch", type=positive, default=256, help="images per GPU per step")
+    p.add_argument("--image-size", type=positive, default=224)
+    p.add_argument("--threads", type=positive, help="DALI CPU threads per GPU (default: the host's CPUs / GPUs - 1)")
+    p.add_argument("--hw-decoder-load", type=share, help="share of the decoding on the hardware JPEG decoder")
+    p.add_argument("--warmup", type=positive, default=30, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--steps", type=positive, default=200, help="timed steps")
     p.add_argument("--out", required=True, help="JSON file (rank 0 writes it)")
     args = p.parse_args()
     refusal = refused(Path(args.shards))

@@ -558,3 +558,20 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
         assert all(np.allclose(g, w, atol=1e-6) for g, w in zip(got[rank], want)), rank
     _, untrained = ceiling_step(CEILING_CPU, torch.device("cpu"))
     assert any(not np.array_equal(w, p.detach().numpy()) for w, p in zip(want, untrained.parameters()))  # it stepped
+
+
+@pytest.mark.parametrize(
+    "script, args, wrong",
+    [
+        ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--steps", "0"], "--steps"),
+        ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--threads", "-3"], "--threads"),
+        ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--hw-decoder-load", "1.5"], "--hw-decoder-load"),
+        ("airbench_anchor.py", ["--data", "x", "--seeds", "2,a"], "--seeds"),
+    ],
+)
+def test_an_anchors_wrong_argument_is_one_line_naming_it(script, args, wrong):
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", *args, "--out", "x.json"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: argument {wrong}: invalid")
