@@ -74,7 +74,12 @@ def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
     with process_settings_restored():
         run = prepare_run(cfg, plan)
         try:
-            return run.execute()
+            final = run.execute()
+            # ranks leave the group together: a rank tearing gloo down while rank 0 still wrote its files was once
+            # aborted at exit ("terminate called without an active exception")
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            return final
         finally:
             run.close()
             destroy_process_group()
