@@ -52,7 +52,17 @@ def last_weights(run: Path) -> dict[str, torch.Tensor]:
 def assert_same(a: dict, b: dict, **tolerance) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], msg=k, **tolerance)
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tolerance)
+
+
+def assert_near(a: dict, b: dict, rel: float) -> None:
+    """Each tensor within `rel` of the other in norm: runs that sum in another order drift apart by rounding over
+    many steps, elementwise most where a weight is near zero (a few of 73,728 by 1e-3 relative on one CPU model,
+    under 1e-4 on another), while each tensor as a whole stays ~1e-6 apart."""
+    assert a.keys() == b.keys()
+    for k in a:
+        drift = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12))
+        assert drift <= rel, f"{k}: {drift:.2e} apart in norm (up to {rel:.0e} allowed)"
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +382,8 @@ def test_sharded_checkpoint_resumes_on_one_process(straight, tmp_path):
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert read_metrics(tmp_path / "run")["hparams"]["world_size"] == 1
     assert_same_result(tmp_path / "run", straight, rel=1e-4)  # other reduction order than 2 ranks
-    assert_same(last_weights(tmp_path / "run"), last_weights(straight), rtol=1e-4, atol=1e-6)
+    # ~2e-6 seen; momentum lost on resume: 3e-2
+    assert_near(last_weights(tmp_path / "run"), last_weights(straight), rel=1e-4)
 
 
 def test_sharded_checkpoint_evaluates_with_single_and_exports_to_one_file(straight, cfg_factory, tmp_path):
