@@ -4,9 +4,10 @@
     python bench/profile_loop.py experiment=cifar10_94 [overrides...] [--trace /tmp/trace.json]
     torchrun --nproc-per-node 2 bench/profile_loop.py strategy=ddp [overrides...]   # rank 0's view of ddp
 
-Builds the run as train() does, trains epoch 1 untimed (compilation, cuDNN tuning), then trains
-epoch 2 under torch.profiler and prints: the epoch's wall time, the GPU's busy time (sum of kernel
-times), and the operators with the most GPU and CPU time.
+Builds the run as train() does, trains --warmup-epochs epochs (default 1) unprofiled (compilation, cuDNN tuning),
+then the next epoch under torch.profiler, and prints: the epoch's wall time, the GPU's busy time (sum of kernel
+times), how many CUDA graphs were recorded during it (0 once they only replay), and the operators with the most GPU
+and CPU time.
 """
 
 from __future__ import annotations
@@ -34,35 +35,54 @@ def main():
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
     parser.add_argument("--rows", type=int, default=18)
+    parser.add_argument("--warmup-epochs", type=int, default=1, help="epochs trained before the profiled one")
     args = parser.parse_args()
+    if args.warmup_epochs < 1:
+        parser.error(
+            f"--warmup-epochs must be at least 1 (compilation and tuning are not profiled), got {args.warmup_epochs}"
+        )
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.root_dir={ROOT}", *args.overrides])
-    with open_dict(cfg):
-        cfg.paths.output_dir = tempfile.mkdtemp(prefix="ddplab-profile-")
-        cfg.trainer.max_epochs = max(cfg.trainer.max_epochs, 2)
-    run = prepare_run(cfg)
+    with tempfile.TemporaryDirectory(prefix="ddplab-profile-") as out:  # its checkpoints and logs: nobody's
+        with open_dict(cfg):
+            cfg.paths.output_dir = out
+            cfg.trainer.max_epochs = max(cfg.trainer.max_epochs, args.warmup_epochs + 1)
+        run = prepare_run(cfg)
+        try:
+            profile(run, args)
+        finally:
+            run.close()
+            destroy_process_group()
+
+
+def profile(run, args) -> None:
     run.build()
     stop = StopRequest(elastic=True)
-    first = run.train_epoch(0, stop)
+    for epoch in range(args.warmup_epochs):
+        last_warmup = run.train_epoch(epoch, stop)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        second = run.train_epoch(1, stop)
+        profiled = run.train_epoch(args.warmup_epochs, stop)
         wall = time.perf_counter() - start
     stop.restore()
-    if run.primary:
-        events = prof.key_averages()
-        kernels = sum(e.self_device_time_total for e in events) / 1e6
-        print(
-            f"epoch 1: {first['images_per_sec']:.0f} img/s | epoch 2 (profiled): {second['images_per_sec']:.0f} img/s,"
-            f" {wall:.3f} s wall, GPU kernels {kernels:.3f} s = {100 * kernels / wall:.1f}% busy,"
-            f" {run.steps_per_epoch} steps, data wait {100 * second['data_wait_fraction']:.1f}%"
-        )
-        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
-        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
-        if args.trace:
-            prof.export_chrome_trace(args.trace)
-    destroy_process_group()
+    if not run.primary:
+        return
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events) / 1e6
+    # Inductor times each recording under this name: a graph that keeps being recorded again never pays off
+    recorded = sum(e.count for e in events if e.key.startswith("CUDAGraphNode.record"))
+    n = args.warmup_epochs
+    print(
+        f"epoch {n}: {last_warmup['images_per_sec']:.0f} img/s | epoch {n + 1} (profiled):"
+        f" {profiled['images_per_sec']:.0f} img/s, {wall:.3f} s wall, GPU kernels {kernels:.3f} s ="
+        f" {100 * kernels / wall:.1f}% busy, {run.steps_per_epoch} steps, data wait"
+        f" {100 * profiled['data_wait_fraction']:.1f}%, CUDA graphs recorded {recorded}"
+    )
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":

@@ -575,3 +575,19 @@ def test_an_anchors_wrong_argument_is_one_line_naming_it(script, args, wrong):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: argument {wrong}: invalid")
+
+
+def test_profile_loop_profiles_the_epoch_after_its_warmup_and_leaves_no_run_behind(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    script = [sys.executable, "bench/profile_loop.py", "trainer.limit_train_batches=3", "--rows", "1"]
+    proc = subprocess.run([*script, "--warmup-epochs", "2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = next(line for line in proc.stdout.splitlines() if "(profiled)" in line)
+    assert summary.startswith("epoch 2: ") and "| epoch 3 (profiled): " in summary, summary
+    assert " 3 steps," in summary and summary.endswith("CUDA graphs recorded 0")  # CPU: no graphs
+    assert "aten::" in proc.stdout  # the operator tables
+    assert not list(tmp_path.glob("ddplab-profile-*"))  # its run directory went with it
+    proc = subprocess.run([*script, "--warmup-epochs", "0"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "must be at least 1 (compilation and tuning are not profiled), got 0"
+    )
