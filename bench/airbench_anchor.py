@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
 SPLITS = {"train": ("train",), "test": ("test", "val")}
 
 
@@ -116,6 +119,8 @@ def main() -> int:
     import airbench
     import torch
 
+    from src.reporting.efficiency import host
+
     work = Path(args.work).resolve()
     os.chdir(export_tensors(data, work).parent)  # airbench opens cifar10/ relative to the working directory
     with contextlib.redirect_stdout(io.StringIO()):
@@ -139,8 +144,7 @@ def main() -> int:
         "test_top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
         "seconds_mean": statistics.mean(r["seconds"] for r in runs),
         "data": str(data),
-        "device_name": torch.cuda.get_device_name(0),
-        "torch_version": torch.__version__,
+        **host(torch.device("cuda", 0)),
         "airbench_version": getattr(airbench, "__version__", "0.1.8"),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

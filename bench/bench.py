@@ -321,8 +321,9 @@ def ratios(runs: dict) -> list[dict]:
 def table(report: dict) -> str:
     runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
     gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
+    cpus = f" | {report['cpus']} CPUs ({report['cpu_model']})" if report.get("cpus") else ""  # older files: none
     lines = [
-        f"ddplab bench | {gpus} | torch {report['torch_version']} | "
+        f"ddplab bench | {gpus}{cpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
         f"{'run':<{WIDTH}}{'img/s':>10}{'vs ceiling':>12}{'vs 1 GPU':>10}{'data wait (GPU)':>16}{'epoch 1 s':>11}"
         f"{'wall s':>8}{'peak GB':>9}{'MFU':>6}{'pass start s':>14}",
@@ -376,6 +377,7 @@ def summarize(args, runs: dict, extra: dict | None = None) -> dict:
         "gpu_name": first.get("device_name", "?"),
         "gpu_count": first.get("gpu_count", 0),
         "torch_version": first.get("torch_version", "?"),
+        **{k: first.get(k) for k in ("cpu_model", "cpus", "cpus_usable", "hostname")},
         "smoke": args.smoke,
         "data": data_label(args),
         "batch_per_gpu": args.batch,
@@ -456,6 +458,8 @@ def child_ceiling(spec: dict) -> dict:
     """Train steps (ceiling_step) on one fixed random batch already on the device."""
     import torch
 
+    from src.reporting.efficiency import host
+
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     step, _ = ceiling_step(spec, device)
@@ -488,9 +492,7 @@ def child_ceiling(spec: dict) -> dict:
         "images_per_sec": spec["batch"] * spec["steps"] / statistics.median(seconds),
         "window_sec": seconds,
         "warmup_sec": warmup_sec,
-        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "gpu_count": torch.cuda.device_count(),
-        "torch_version": torch.__version__,
+        **host(device),
     }
 
 
@@ -509,9 +511,8 @@ def compose(overrides: list[str], output_dir: str):
 
 def child_loop(spec: dict) -> dict:
     """`src.run.launch.main(cfg)` (it spawns the ranks of ddp/fsdp) and its metrics."""
-    import torch
-
     from src.data.datasets import load_data
+    from src.reporting.efficiency import host
     from src.run.launch import main
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
@@ -536,9 +537,7 @@ def child_loop(spec: dict) -> dict:
         "timed_steps": steps * (len(epochs) - 1),
         "epoch_sec": [e["epoch_sec"] for e in epochs],
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
-        "device_name": metrics["device_name"],
-        "gpu_count": torch.cuda.device_count(),
-        "torch_version": metrics["torch_version"],
+        **{k: metrics[k] for k in host()},  # the machine, as the run recorded it
         "hparams": metrics["hparams"],
     }
 
@@ -613,6 +612,7 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
     from src.data.datasets import load_data
     from src.data.epoch import plan_epoch
     from src.data.loaders import build_loader
+    from src.reporting.efficiency import host
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
         cfg = compose(spec["overrides"], out)
@@ -650,9 +650,7 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
         "images": timed,
         "workers": loader.plan.workers,
         "loader_name": loader.plan.name,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "gpu_count": torch.cuda.device_count(),
-        "torch_version": torch.__version__,
+        **host(device),
     }
 
 

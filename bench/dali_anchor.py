@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.data.datasets import IMAGENET_STATS  # noqa: E402  (src is importable once ROOT is on the path)
+from src.reporting.efficiency import host  # noqa: E402
 
 MEAN, STD = ([255 * v for v in stats] for stats in IMAGENET_STATS)  # DALI normalizes 0..255 pixels
 
@@ -254,9 +255,7 @@ def main() -> int:
             else sum(e["ceiling"][0] for e in each) / max(e["ceiling"][1] for e in each),
             "args": {k: v for k, v in vars(args).items()},
             "train_images": json.loads((folder / ".complete").read_text())["images"],
-            "device_name": torch.cuda.get_device_name(device),
-            "cpus": os.cpu_count(),
-            "torch_version": torch.__version__,
+            **host(device),
             "dali_version": nvidia.dali.__version__,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from bench import start_session  # bench/bench.py, next to this script
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # src, imported where needed
 DEFAULT_VARIANTS = {
     "single": "strategy=single",
     "dp": "strategy=dp",
@@ -60,7 +61,6 @@ def epochs_for(overrides: list[str], epochs: int, min_timed_steps: int) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    sys.path.insert(0, str(ROOT))
     from src.data.datasets import load_data
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -181,8 +181,13 @@ def main() -> None:
         if len(results) == len(variants):
             import torch  # only now: this process needs no GPU of its own while the runs train
 
-            gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-            header = f"# Strategies on {torch.cuda.device_count()} x {gpu}, torch {torch.__version__}"
+            from src.reporting.efficiency import host
+
+            h = host(torch.device("cuda", 0) if torch.cuda.is_available() else None)
+            header = (
+                f"# Strategies on {h['gpu_count']} x {h['device_name']}, {h['cpus']} CPUs ({h['cpu_model']}),"
+                f" torch {h['torch_version']}"
+            )
         write(out, header, results)
     print(out.read_text(), end="")
     print(f"written: {out} and {out.with_suffix('.json')}")

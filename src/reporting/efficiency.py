@@ -1,7 +1,10 @@
-"""How well a run uses its hardware: FLOPs of a training step, the GPU's peak, MFU, and peak memory."""
+"""How well a run uses its hardware: FLOPs of a training step, the GPU's peak, MFU, and peak memory; and the
+hardware itself (`host`), recorded beside every number measured on it."""
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 import resource
 import sys
@@ -12,6 +15,34 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 GIB = 2**30
+
+
+def host(device: torch.device | None = None) -> dict:
+    """The machine a number is measured on: a loader's speed depends on its CPUs as much as on its GPUs."""
+    cuda = device is not None and device.type == "cuda"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
+    return {
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count(),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": usable,  # this process's affinity (a SLURM task's --cpus-per-task, taskset)
+        "hostname": platform.node(),
+        "torch_version": torch.__version__,
+    }
+
+
+def cpu_model() -> str | None:
+    """The CPU's marketing name: /proc/cpuinfo's on Linux, else what the platform says (None if nothing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def train_step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:

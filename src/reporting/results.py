@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
 from src.config.layout import Layout
+from src.reporting.efficiency import host
 
 log = logging.getLogger("ddplab")
 
@@ -201,7 +202,6 @@ def write_metrics(
     """metrics.json (eval.json for an evaluation), replaced atomically so a reader never sees half of it."""
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     metrics = {
         "status": status,
         "stop_reason": stop_reason,  # why a completed run trained fewer than trainer.max_epochs (early stopping)
@@ -210,8 +210,7 @@ def write_metrics(
         "hparams": hparams,
         "overrides": overrides,
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "torch_version": torch.__version__,
-        "device_name": device_name,
+        **host(device),
         "git_commit": _git_commit(),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
