@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-dali bench-airbench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-dali bench-airbench slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,12 @@ GPUS ?= 1
 bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU; pip install nvidia-dali-cuda130): SHARDS=<pack> GPUS=1|4
 	$(PY) -m torch.distributed.run --nproc-per-node $(GPUS) bench/dali_anchor.py --shards $(SHARDS) --mode loop \
 		--hw-decoder-load 0 --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
+
+bench-decode: install  ## the default data.decode vs each explicit choice on this host, loaders alone and ResNet-50 on 1 and GPUS GPUs (GPU): SHARDS=<pack> GPUS=4
+	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus $(GPUS) \
+		--decode auto,cpu,cpudecode,gpu,split --workers auto --override trainer.limit_eval_batches=2 \
+		--only 'resnet50-ceiling-bf16-cl-cudagraphs,loader*,resnet50-single1-*,resnet50-ddp$(GPUS)-*' \
+		--out outputs/bench/decode$(GPUS).json $(ARGS)
 
 DATA ?= data/cifar10-jpeg
 bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>

@@ -95,7 +95,7 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
     CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU); shard tags
     start with `shards-`."""
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host
     if not args.decode:
         return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [
             (f"classic{w}", ["data.loader=workers", f"data.num_workers={w}"]) for w in workers
@@ -657,6 +657,28 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
 # --- command line ---------------------------------------------------------------------------------
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse turns the ValueError into its one-line usage error)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise ValueError(text)
+    return value
+
+
+def worker_counts(text: str) -> str:
+    """An argparse type: comma-separated data.num_workers values, each a whole number >= 0 or auto."""
+    if not all(w == "auto" or (w.isdigit() and w.isascii()) for w in text.split(",")):
+        raise ValueError(text)
+    return text
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny CPU mode for CI (tiny_cnn, fp32, no compile)")
@@ -665,17 +687,21 @@ def main() -> int:
     p.add_argument("--out", help="JSON file (default bench/results/bench-<date>.json; --smoke: outputs/bench/)")
     p.add_argument("--data-root", help="ImageFolder root (train/, test/); default synthetic CIFAR-sized data")
     p.add_argument("--compile", choices=["on", "off", "both"], default="on", help="trainer.compile of the loops")
-    p.add_argument("--workers", help="data.num_workers of data.loader=workers, comma-separated (default 8; smoke 0)")
-    p.add_argument("--gpus", type=int, default=2, help="largest GPU count to run (default 2)")
-    p.add_argument("--batch", type=int, help="images per GPU per step (default 512; smoke 64)")
+    p.add_argument(
+        "--workers",
+        type=worker_counts,
+        help="data.num_workers of the loaders, comma-separated counts and/or auto (default 8; smoke 0)",
+    )
+    p.add_argument("--gpus", type=positive, default=2, help="largest GPU count to run (default 2)")
+    p.add_argument("--batch", type=positive, help="images per GPU per step (default 512; smoke 64)")
     p.add_argument(
         "--epochs",
-        type=int,
+        type=positive,
         help="epochs per loop run, the first excluded from its speed (default 3; smoke 2); a GPU run trains "
         "more where its timed epochs would be under 100 steps",
     )
-    p.add_argument("--samples", type=int, help="synthetic data.num_samples (default 50000; smoke 1024)")
-    p.add_argument("--steps", type=int, help="trainer.limit_train_batches (default: every full batch)")
+    p.add_argument("--samples", type=positive, help="synthetic data.num_samples (default 50000; smoke 1024)")
+    p.add_argument("--steps", type=positive, help="trainer.limit_train_batches (default: every full batch)")
     p.add_argument(
         "--override",
         action="append",
@@ -688,7 +714,7 @@ def main() -> int:
         "classifier, e.g. resnet50 (names then start with it; default resnet18, smoke tiny_cnn)",
     )
     p.add_argument(
-        "--image-size", type=int, help="the ceiling's input size (default 32) and, with --decode, data.image_size"
+        "--image-size", type=positive, help="the ceiling's input size (default 32) and, with --decode, data.image_size"
     )
     p.add_argument(
         "--decode",
@@ -698,8 +724,8 @@ def main() -> int:
         "e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
-    p.add_argument("--loader-steps", type=int, default=50, help="timed batches of a loader-* run (default 50)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per configuration (default 600)")
+    p.add_argument("--loader-steps", type=positive, default=50, help="timed batches of a loader-* run (default 50)")
+    p.add_argument("--timeout", type=positive_seconds, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -714,7 +740,9 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
     if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODES)):
-        p.error("--decode takes gpu, cpu, cpudecode and/or split (e.g. gpu,cpu) and needs --data-root and/or --shards")
+        p.error(
+            "--decode takes auto, gpu, cpu, cpudecode and/or split (e.g. gpu,cpu) and needs --data-root and/or --shards"
+        )
     folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
     out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import positive  # noqa: E402  (bench/bench.py, next to this script)
 from src.data.datasets import IMAGENET_STATS  # noqa: E402  (src is importable once ROOT is on the path)
 from src.reporting.efficiency import host  # noqa: E402
 
@@ -160,14 +161,6 @@ def refused(shards: Path) -> str | None:
     except ConfigError as exc:
         return str(exc).replace("data.root: ", "--shards: ", 1)
     return None if torch.cuda.is_available() else "needs a CUDA GPU (DALI decodes on it)"
-
-
-def positive(text: str) -> int:
-    """An argparse type: a whole number ≥ 1 (argparse turns the ValueError into its one-line usage error)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
 
 
 def share(text: str) -> float:

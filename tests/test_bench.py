@@ -228,6 +228,15 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     assert all(r["ok"] and r["images_per_sec"] > 0 and 0 < r["pass_start_sec"] < 60 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]
     assert "pass start s" in proc.stdout
+    # --workers auto: the default's worker count for this host (the CPUs but one, at most 16)
+    proc = bench(
+        *("--smoke", "--decode", "auto", "--workers", "auto", "--data-root", str(tmp_path / "tree")),
+        *("--image-size", "16", "--batch", "4", "--loader-steps", "3", "--only", "loader-*", "--out", str(out)),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["runs"].values()
+    assert run["name"] == "loader-autoauto" and "data.num_workers=auto" in run["overrides"]
+    assert run["loader_name"] == "decode-cpu" and run["workers"] == min(len(os.sched_getaffinity(0)) - 1, 16)
 
 
 def test_loaders_at_once_sum_what_each_gpu_gets(tmp_path):
@@ -571,9 +580,14 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
         ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--threads", "-3"], "--threads"),
         ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--hw-decoder-load", "1.5"], "--hw-decoder-load"),
         ("airbench_anchor.py", ["--data", "x", "--seeds", "2,a"], "--seeds"),
+        ("bench.py", ["--list", "--workers", "4,x"], "--workers"),
+        ("bench.py", ["--list", "--workers", "-1"], "--workers"),
+        ("bench.py", ["--list", "--gpus", "0"], "--gpus"),
+        ("bench.py", ["--list", "--batch", "1.5"], "--batch"),
+        ("bench.py", ["--list", "--timeout", "nan"], "--timeout"),
     ],
 )
-def test_an_anchors_wrong_argument_is_one_line_naming_it(script, args, wrong):
+def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wrong):
     proc = subprocess.run(
         [sys.executable, f"bench/{script}", *args, "--out", "x.json"], cwd=ROOT, capture_output=True, text=True
     )
