@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from src.config.arguments import positive, positive_number  # noqa: E402  (argparse types)
+
 # name suffix, trainer.amp, trainer.channels_last, torch.compile mode (False: no compile)
 CEILINGS = [
     ("fp32", False, False, False),
@@ -657,21 +659,6 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
 # --- command line ---------------------------------------------------------------------------------
 
 
-def positive(text: str) -> int:
-    """An argparse type: a whole number >= 1 (argparse turns the ValueError into its one-line usage error)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # NaN too
-        raise ValueError(text)
-    return value
-
-
 def worker_counts(text: str) -> str:
     """An argparse type: comma-separated data.num_workers values, each a whole number >= 0 or auto."""
     if not all(w == "auto" or (w.isdigit() and w.isascii()) for w in text.split(",")):
@@ -725,7 +712,7 @@ def main() -> int:
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=positive, default=50, help="timed batches of a loader-* run (default 50)")
-    p.add_argument("--timeout", type=positive_seconds, default=600, help="seconds per configuration (default 600)")
+    p.add_argument("--timeout", type=positive_number, default=600, help="seconds per configuration (default 600)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier --out files; runs nothing")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()

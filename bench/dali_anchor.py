@@ -34,8 +34,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import positive  # noqa: E402  (bench/bench.py, next to this script)
-from src.data.datasets import IMAGENET_STATS  # noqa: E402  (src is importable once ROOT is on the path)
+from src.config.arguments import positive  # noqa: E402  (src is importable once ROOT is on the path)
+from src.data.datasets import IMAGENET_STATS  # noqa: E402
 from src.reporting.efficiency import host  # noqa: E402
 
 MEAN, STD = ([255 * v for v in stats] for stats in IMAGENET_STATS)  # DALI normalizes 0..255 pixels

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from src.config.arguments import positive  # noqa: E402
 from src.models import cifar_resnet18  # noqa: E402
 from src.run.loss import build_loss_terms  # noqa: E402
 from src.strategies import COMM_DTYPES, FlatGradientSync  # noqa: E402
@@ -226,10 +227,10 @@ def allreduce_bandwidth(device: torch.device, numel: int, dtype: torch.dtype, it
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--windows", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--batch", type=positive, default=512)
+    parser.add_argument("--warmup", type=positive, default=20)
+    parser.add_argument("--windows", type=positive, default=7)
+    parser.add_argument("--steps", type=positive, default=25)
     parser.add_argument("--tag", default="", help="a label for this process group's lines")
     parser.add_argument("--segments", action="store_true", help="also time each part of the step, device and host")
     parser.add_argument("--trace", action="store_true", help="also print each rank's device timeline of a step's end")

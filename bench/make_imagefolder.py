@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from src.config.arguments import jpeg_quality, positive  # noqa: E402  (argparse types)
+
 SPLITS = ("train", "test")
 _zip: zipfile.ZipFile | None = None  # one open archive per worker process
 
@@ -77,11 +80,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zip", required=True, help="the CIFAR-10 JPEG archive (cifar10-jpeg.zip: train/ and test/)")
     p.add_argument("--out", required=True, type=Path, help="the ImageFolder to write (train/, test/)")
-    p.add_argument("--train", type=int, default=50000, help="training images (default 50000)")
-    p.add_argument("--test", type=int, default=10000, help="test images (default 10000)")
-    p.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95: ~100 KiB per image)")
+    p.add_argument("--train", type=positive, default=50000, help="training images (default 50000)")
+    p.add_argument("--test", type=positive, default=10000, help="test images (default 10000)")
+    p.add_argument("--quality", type=jpeg_quality, default=95, help="JPEG quality (default 95: ~100 KiB per image)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sizes and the noise (default 0)")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: every core)")
+    p.add_argument("--workers", type=positive, default=os.cpu_count(), help="processes (default: every core)")
     args = p.parse_args(argv)
     settings = {
         "zip": Path(args.zip).name,

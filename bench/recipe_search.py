@@ -21,18 +21,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from src.config.arguments import positive, positive_number  # noqa: E402  (argparse types)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("recipes", nargs="+", help="'name: override override ...'")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--gpus", type=int, default=None, help="default: all visible")
-    parser.add_argument("--per-gpu", type=int, default=4, help="concurrent runs per GPU")
+    parser.add_argument("--gpus", type=positive, default=None, help="default: all visible")
+    parser.add_argument("--per-gpu", type=positive, default=4, help="concurrent runs per GPU")
     parser.add_argument("--base", default="experiment=cifar10_94")
     parser.add_argument(
         "--time-limit",
-        type=float,
+        type=positive_number,
         default=None,
         help="seconds; then stop the runs still going (their logs stay) and write the summary",
     )

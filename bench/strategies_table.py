@@ -31,6 +31,9 @@ from bench import start_session  # bench/bench.py, next to this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # src, imported where needed
+
+from src.config.arguments import non_negative, positive  # noqa: E402  (argparse types)
+
 DEFAULT_VARIANTS = {
     "single": "strategy=single",
     "dp": "strategy=dp",
@@ -139,16 +142,18 @@ def row(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=3, help="trainer.max_epochs (default 3; speed leaves out epoch 1)")
+    p.add_argument(
+        "--epochs", type=positive, default=3, help="trainer.max_epochs (default 3; speed leaves out epoch 1)"
+    )
     p.add_argument(
         "--min-timed-steps",
-        type=int,
+        type=non_negative,
         default=100,
         help="more epochs than --epochs where those after the first would time fewer steps (default 100; 0: off)",
     )
     p.add_argument("--variant", action="append", type=variant, help="NAME:OVERRIDES (repeatable)")
     p.add_argument("--scaling", choices=sorted(SCALING), help="single, ddp and fsdp on 2..--gpus GPUs (no --variant)")
-    p.add_argument("--gpus", type=int, default=4, help="with --scaling: the most GPUs a variant uses (default 4)")
+    p.add_argument("--gpus", type=positive, default=4, help="with --scaling: the most GPUs a variant uses (default 4)")
     p.add_argument("--dry-run", action="store_true", help="print each variant's command; run nothing")
     # git-ignored by default: a table worth keeping is copied into bench/results/ with its report
     p.add_argument("--out", default=str(ROOT / "outputs/bench/strategies.md"))

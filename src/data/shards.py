@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from src.config.arguments import jpeg_quality, positive, positive_number
 from src.config.errors import ConfigError
 from src.data.decode import EncodedImages, as_tensor, decode_cpu, unreadable
 from src.state.signals import Interrupted, interrupt_outside_training
@@ -358,14 +359,18 @@ def main(argv=None) -> int:
     p = sub.add_parser("pack", help="pack an ImageFolder (train/ and val/ or test/) into shards")
     p.add_argument("root", type=Path, help="ImageFolder root with train/ and val/ or test/")
     p.add_argument("out", type=Path, help="new folder for the shards (data.root of data=shards)")
-    p.add_argument("--max-side", type=int, help="re-encode images whose shorter side is larger to this many pixels")
-    p.add_argument("--shard-size-mb", type=float, default=256, help="bytes per shard file, in MiB (default 256)")
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded images (default 90)")
-    p.add_argument("--workers", type=int, help="processes re-encoding images (default: every core)")
+    p.add_argument(
+        "--max-side", type=positive, help="re-encode images whose shorter side is larger to this many pixels"
+    )
+    p.add_argument(
+        "--shard-size-mb", type=positive_number, default=256, help="bytes per shard file, in MiB (default 256)"
+    )
+    p.add_argument(
+        "--quality", type=jpeg_quality, default=90, help="JPEG quality of re-encoded images, 1-100 (default 90)"
+    )
+    p.add_argument("--workers", type=positive, help="processes re-encoding images (default: every core)")
     args = parser.parse_args(argv)
     try:
-        if args.max_side is not None and args.max_side < 1 or args.shard_size_mb <= 0:
-            raise ConfigError("--max-side and --shard-size-mb must be positive")
         with interrupt_outside_training((signal.SIGINT, signal.SIGTERM)):
             meta = pack(args.root, args.out, args.max_side, args.shard_size_mb, args.quality, args.workers)
     except ConfigError as exc:

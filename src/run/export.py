@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from src.config.arguments import positive
 from src.config.errors import ConfigError
 from src.models import build_model
 from src.state.checkpoint import export as export_pt
@@ -124,7 +125,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint file, or a sharded checkpoint folder (fsdp)")
     parser.add_argument("out", help="the file to write (.pt, .safetensors or .onnx)")
     parser.add_argument("--format", choices=FORMATS, help="default: from the out file's suffix")
-    parser.add_argument("--input-size", type=int, help="the input's side in pixels, where the checkpoint does not tell")
+    parser.add_argument(
+        "--input-size", type=positive, help="the input's side in pixels, where the checkpoint does not tell"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     fmt = args.format or out.suffix.lstrip(".")

@@ -133,6 +133,25 @@ def test_bad_packs_and_commands_are_one_line(tmp_path, packed):
         load_data(shard_cfg(tmp_path, root).data)  # before: found by loading
 
 
+@pytest.mark.parametrize(
+    "option, value, kind",
+    [
+        ("--quality", "0", "jpeg_quality"),
+        ("--quality", "101", "jpeg_quality"),
+        ("--workers", "0", "positive"),
+        ("--max-side", "-8", "positive"),
+        ("--shard-size-mb", "nan", "positive_number"),
+    ],
+)
+def test_a_pack_option_out_of_range_is_one_line_and_packs_nothing(tmp_path, packed, option, value, kind):
+    folder, _ = packed
+    command = [sys.executable, "-m", "src.data.shards"]
+    proc = run_cli("pack", str(folder), str(tmp_path / "out"), option, value, command=command, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"error: argument {option}: invalid {kind} value: '{value}'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_training_on_shards_with_device_decoding(tmp_path, packed):
     _, root = packed
     cfg = shard_cfg(tmp_path, root, "data.decode=gpu", "data.batch_size=6", "data.eval_batch_size=5")

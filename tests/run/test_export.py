@@ -91,3 +91,7 @@ def test_an_unknown_format_or_input_size_is_one_line(runs, tmp_path):
     proc = _export(tmp_path / "nosize.pt", tmp_path / "m.onnx")
     assert proc.returncode == 2 and "pass --input-size H" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "m.onnx").exists()
+    proc = _export(tmp_path / "nosize.pt", tmp_path / "m.onnx", "--input-size", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("error: argument --input-size: invalid positive value: '0'")
+    assert not (tmp_path / "m.onnx").exists()
