@@ -323,7 +323,8 @@ def ratios(runs: dict) -> list[dict]:
 def table(report: dict) -> str:
     runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
     gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
-    cpus = f" | {report['cpus']} CPUs ({report['cpu_model']})" if report.get("cpus") else ""  # older files: none
+    model = f" ({report['cpu_model']})" if report.get("cpu_model") else ""
+    cpus = f" | {report['cpus']} CPUs{model}" if report.get("cpus") else ""  # older files name none
     lines = [
         f"ddplab bench | {gpus}{cpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",

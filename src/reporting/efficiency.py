@@ -33,7 +33,8 @@ def host(device: torch.device | None = None) -> dict:
 
 
 def cpu_model() -> str | None:
-    """The CPU's marketing name: /proc/cpuinfo's on Linux, else what the platform says (None if nothing)."""
+    """The CPU's marketing name: /proc/cpuinfo's on Linux x86, else what the platform says (on ARM Linux its
+    architecture, e.g. aarch64; None if nothing)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -42,7 +43,7 @@ def cpu_model() -> str | None:
                     return value.strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return platform.processor() or platform.machine() or None
 
 
 def train_step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
