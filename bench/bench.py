@@ -660,6 +660,26 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
 # --- command line ---------------------------------------------------------------------------------
 
 
+def refused_data(args) -> str | None:
+    """Why no configuration could read --data-root or --shards, in one line before any starts (src's own checks:
+    the ImageFolder layout, the pack's meta.json)."""
+    from src.config.errors import ConfigError
+    from src.data.datasets import check_imagefolder
+    from src.data.shards import read_meta
+
+    for option, path, check in (
+        ("--data-root", args.data_root, check_imagefolder),
+        ("--shards", args.shards, read_meta),
+    ):
+        try:
+            if path:
+                check(Path(path))
+        except ConfigError as exc:
+            line = str(exc).replace("data.root", option)  # src says it of train.py's option
+            return line if line.startswith(option) else f"{option}: {line}"
+    return None
+
+
 def worker_counts(text: str) -> str:
     """An argparse type: comma-separated data.num_workers values, each a whole number >= 0 or auto."""
     if not all(w == "auto" or (w.isdigit() and w.isascii()) for w in text.split(",")):
@@ -727,6 +747,9 @@ def main() -> int:
     for key in ("batch", "epochs", "samples", "workers"):
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
+    refusal = None if args.merge or args.list else refused_data(args)
+    if refusal:
+        p.error(refusal)
     if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODES)):
         p.error(
             "--decode takes auto, gpu, cpu, cpudecode and/or split (e.g. gpu,cpu) and needs --data-root and/or --shards"

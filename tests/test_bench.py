@@ -258,7 +258,8 @@ def test_loaders_at_once_sum_what_each_gpu_gets(tmp_path):
     assert both["ok"] and both["gpus"] == 2 and len(both["per_gpu_images_per_sec"]) == 2
     assert both["images_per_sec"] == pytest.approx(sum(both["per_gpu_images_per_sec"]))
     assert both["images"] == 2 * 4 * 4 and both["workers"] == 1
-    (tmp_path / "empty" / "train").mkdir(parents=True)
+    for split in ("train", "test"):  # the layout passes bench.py's own check; the loaders find no images
+        (tmp_path / "empty" / split / "a").mkdir(parents=True)
     proc = bench(
         *common, "--data-root", str(tmp_path / "empty"), "--only", "loader2-*", "--out", str(out), "--timeout", "120"
     )
@@ -610,3 +611,12 @@ def test_profile_loop_profiles_the_epoch_after_its_warmup_and_leaves_no_run_behi
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         "must be at least 1 (compilation and tuning are not profiled), got 0"
     )
+
+
+@pytest.mark.parametrize("option", ["--data-root", "--shards"])
+def test_data_no_configuration_could_read_is_one_line_before_any_starts(tmp_path, option):
+    proc = bench("--smoke", "--decode", "cpu", option, str(tmp_path / "none"), "--out", str(tmp_path / "b.json"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "FAILED" not in proc.stdout, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"bench.py: error: {option}: {tmp_path / 'none'} "), last
+    assert not (tmp_path / "b.json").exists()  # nothing ran

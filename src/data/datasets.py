@@ -461,8 +461,9 @@ def _cached_decode(folder: Path, ds, size: int | None) -> tuple[torch.Tensor, to
     return images, labels
 
 
-def load_imagefolder(cfg: DictConfig) -> DataBundle:
-    root = Path(str(cfg.root))
+def check_imagefolder(root: Path) -> list[Path]:
+    """An ImageFolder root's layout checked, no image read: train/ and val/ or test/, each with class folders.
+    Returns its evaluation folders."""
     _check_folder(root)
     _check_folder(root / "train")
     evals = [root / name for name in ("val", "test") if (root / name).is_dir()]
@@ -470,6 +471,12 @@ def load_imagefolder(cfg: DictConfig) -> DataBundle:
         raise ConfigError(f"{root} has train/ but neither val/ nor test/; add one of them")
     for folder in evals:
         _check_folder(folder)
+    return evals
+
+
+def load_imagefolder(cfg: DictConfig) -> DataBundle:
+    root = Path(str(cfg.root))
+    evals = check_imagefolder(root)
     base = {f.name: _image_folder(f) for f in [root / "train", *evals]}
     classes = base["train"].classes
     for name, ds in base.items():
