@@ -663,6 +663,8 @@ def time_loader(spec: dict, rank: int, start=None) -> dict:
 def refused_data(args) -> str | None:
     """Why no configuration could read --data-root or --shards, in one line before any starts (src's own checks:
     the ImageFolder layout, the pack's meta.json)."""
+    if not (args.data_root or args.shards):  # synthetic data: nothing to read, nothing to import
+        return None
     from src.config.errors import ConfigError
     from src.data.datasets import check_imagefolder
     from src.data.shards import read_meta

@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.config.arguments import positive  # noqa: E402  (src is importable once ROOT is on the path)
+from src.config.arguments import fraction, positive  # noqa: E402  (src is importable once ROOT is on the path)
 from src.data.datasets import IMAGENET_STATS  # noqa: E402
 from src.reporting.efficiency import host  # noqa: E402
 
@@ -163,14 +163,6 @@ def refused(shards: Path) -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA GPU (DALI decodes on it)"
 
 
-def share(text: str) -> float:
-    """An argparse type: a number from 0 to 1."""
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise ValueError(text)
-    return value
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", required=True, help="a ddplab pack (python -m src.data.shards pack)")
@@ -180,7 +172,7 @@ def main() -> int:
     p.add_argument("--batch", type=positive, default=256, help="images per GPU per step")
     p.add_argument("--image-size", type=positive, default=224)
     p.add_argument("--threads", type=positive, help="DALI CPU threads per GPU (default: the host's CPUs / GPUs - 1)")
-    p.add_argument("--hw-decoder-load", type=share, help="share of the decoding on the hardware JPEG decoder")
+    p.add_argument("--hw-decoder-load", type=fraction, help="share of the decoding on the hardware JPEG decoder")
     p.add_argument("--warmup", type=positive, default=30, help="untimed steps first (compilation, autotuning)")
     p.add_argument("--steps", type=positive, default=200, help="timed steps")
     p.add_argument("--out", required=True, help="JSON file (rank 0 writes it)")

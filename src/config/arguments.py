@@ -31,6 +31,14 @@ def positive_number(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    value = float(text)
+    if not 0 <= value <= 1:  # NaN too
+        raise ValueError(text)
+    return value
+
+
 def jpeg_quality(text: str) -> int:
     """A JPEG quality on Pillow's scale, 1 to 100."""
     value = int(text)
