@@ -47,10 +47,16 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
 
 @pytest.mark.parametrize(
     "loader, workers, from_disk, wait, says",
-    [  # the rows of bench/results/{decode-default_4xh200_2026-11-28,resnet50-split-loop_2xh200_2026-11-27}.md
+    [  # rows of bench/results/{decode-default*,resnet50-split-loop_2xh200_2026-11-27,resnet50-ddp4-regions*}.md
         ("decode-cpu", 4, True, 0.55, "only 4 CPU workers per process decode: try data.decode=gpu"),
         ("decode-cpu", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
         ("decode-cpu", 15, True, 0.25, "or data.crop=device (the workers only decode and cut the crops"),
+        # ddp x4 on the CPU-bound 4 x H200 host of decode-default-more-hosts: crop=device 1.24x; 4 x H100 host B 1.08x
+        ("decode-cpu", 15, True, 0.14, "15 CPU workers per process nearly keep up: try data.crop=device (the"),
+        ("decode-cpu", 15, True, 0.084, "nearly keep up: try data.crop=device"),
+        ("decode-cpu", 15, True, 0.047, None),  # ddp x4 where crop=device was 0.95x (dali-anchor, the same call)
+        ("decode-cpu", 4, True, 0.14, None),  # too few workers for the crop=device band: from a fifth on
+        ("decode-cpu-crop-device", 15, True, 0.14, None),
         ("decode-cpu-crop-device", 15, True, 0.30, "--max-side 256"),
         ("decode-split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
         ("decode-split", 4, True, 0.31, "give each GPU more CPUs"),
