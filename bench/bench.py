@@ -321,10 +321,11 @@ def ratios(runs: dict) -> list[dict]:
 
 
 def table(report: dict) -> str:
+    from src.reporting.efficiency import cpus_named
+
     runs, by = report["runs"], {(x["kind"], x["run"]): x for x in report["ratios"]}
     gpus = f"{report['gpu_name']} x{report['gpu_count']}" if report["gpu_count"] else "no GPU (cpu)"
-    model = f" ({report['cpu_model']})" if report.get("cpu_model") else ""
-    cpus = f" | {report['cpus']} CPUs{model}" if report.get("cpus") else ""  # older files name none
+    cpus = f" | {cpus_named(report)}" if report.get("cpus") else ""  # older files name none
     lines = [
         f"ddplab bench | {gpus}{cpus} | torch {report['torch_version']} | "
         f"{report['data']} | {report['batch_per_gpu']} img/GPU/step",
@@ -515,7 +516,7 @@ def compose(overrides: list[str], output_dir: str):
 def child_loop(spec: dict) -> dict:
     """`src.run.launch.main(cfg)` (it spawns the ranks of ddp/fsdp) and its metrics."""
     from src.data.datasets import load_data
-    from src.reporting.efficiency import host
+    from src.reporting.efficiency import HOST_FIELDS
     from src.run.launch import main
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as out:
@@ -540,7 +541,7 @@ def child_loop(spec: dict) -> dict:
         "timed_steps": steps * (len(epochs) - 1),
         "epoch_sec": [e["epoch_sec"] for e in epochs],
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
-        **{k: metrics[k] for k in host()},  # the machine, as the run recorded it
+        **{k: metrics[k] for k in HOST_FIELDS},  # the machine, as the run recorded it
         "hparams": metrics["hparams"],
     }
 

@@ -186,13 +186,11 @@ def main() -> None:
         if len(results) == len(variants):
             import torch  # only now: this process needs no GPU of its own while the runs train
 
-            from src.reporting.efficiency import host
+            from src.reporting.efficiency import cpus_named, host
 
             h = host(torch.device("cuda", 0) if torch.cuda.is_available() else None)
-            header = (
-                f"# Strategies on {h['gpu_count']} x {h['device_name']}, {h['cpus']} CPUs ({h['cpu_model']}),"
-                f" torch {h['torch_version']}"
-            )
+            machine = f"{h['gpu_count']} x {h['device_name']}, {cpus_named(h)}, torch {h['torch_version']}"
+            header = f"# Strategies on {machine}"
         write(out, header, results)
     print(out.read_text(), end="")
     print(f"written: {out} and {out.with_suffix('.json')}")

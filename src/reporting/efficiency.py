@@ -17,8 +17,12 @@ from torch.utils.flop_counter import FlopCounterMode
 GIB = 2**30
 
 
+HOST_FIELDS = ("device_name", "gpu_count", "cpu_model", "cpus", "cpus_usable", "hostname", "torch_version")
+
+
 def host(device: torch.device | None = None) -> dict:
-    """The machine a number is measured on: a loader's speed depends on its CPUs as much as on its GPUs."""
+    """The machine a number is measured on (HOST_FIELDS): a loader's speed depends on its CPUs as much as on its
+    GPUs."""
     cuda = device is not None and device.type == "cuda"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
     return {
@@ -30,6 +34,12 @@ def host(device: torch.device | None = None) -> dict:
         "hostname": platform.node(),
         "torch_version": torch.__version__,
     }
+
+
+def cpus_named(machine: dict) -> str:
+    """'64 CPUs (Intel Xeon ...)' from a `host()` record; the model only where one is known."""
+    model = f" ({machine['cpu_model']})" if machine.get("cpu_model") else ""
+    return f"{machine['cpus']} CPUs{model}"
 
 
 def cpu_model() -> str | None:

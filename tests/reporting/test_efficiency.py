@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from src.models import build_model
-from src.reporting.efficiency import train_step_flops
+from src.reporting.efficiency import HOST_FIELDS, cpus_named, host, train_step_flops
 from src.run.launch import main as launch
 from tests.conftest import read_metrics
 
@@ -23,6 +23,13 @@ def test_cpu_runs_report_host_memory_and_no_gpu_figures(cfg_factory, tmp_path, c
     assert "peak host mem" in caplog.text and "TFLOP/s" not in caplog.text and "MFU" not in caplog.text
     header = (tmp_path / "run/metrics.csv").read_text().splitlines()[0].split(",")
     assert "train/peak_host_mem_gb" in header and "train/tflops_per_gpu" not in header
+
+
+def test_the_machine_is_named_by_its_fields_and_its_cpus_by_model_only_where_known():
+    machine = host()
+    assert tuple(machine) == HOST_FIELDS and machine["cpus"] >= machine["cpus_usable"] >= 1
+    assert cpus_named({"cpus": 64, "cpu_model": "Intel(R) Xeon(R) Processor"}) == "64 CPUs (Intel(R) Xeon(R) Processor)"
+    assert cpus_named({"cpus": 8, "cpu_model": None}) == "8 CPUs"  # neither /proc/cpuinfo nor platform names it
 
 
 def test_flops_per_training_image_match_an_independent_count(cfg_factory):
