@@ -81,19 +81,7 @@ def test_dp_and_ddp_evaluate_like_single(tmp_path, cfg_factory):
     ],
 )
 def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, mode, sync):
-    tiny = (
-        "trainer.device=cuda",
-        "data=synthetic",
-        "data.augment=crop_flip",
-        "model=tiny_cnn",
-        "model.width=16",
-        "model.batch_norm=false",  # BatchNorm would see 64 images on one device but 32 per rank: another model
-        "data.batch_size=64",
-        "trainer.compile=true",
-        "trainer.amp=false",
-        "trainer.deterministic=true",  # fp32 without TF32
-        f"trainer.compile_mode={mode}",
-    )
+    tiny = _tiny_compiled(mode)
     single = launch(cfg_factory(*tiny, sub="single"))
     ddp = launch(
         cfg_factory(
@@ -112,6 +100,35 @@ def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, 
     last = [find(tmp_path / sub / "run/checkpoints", "last") for sub in ("single", f"{scope}-{sync}")]
     assert_same_weights(*last, rtol=1e-4, atol=1e-5)
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_under_cuda_graphs_trains_like_compiled_fsdp(tmp_path, cfg_factory):
+    fsdp = ("strategy=fsdp", "trainer.devices=2", "strategy.checkpoint_format=full", "trainer.max_epochs=3")
+    modes = ("default", "reduce-overhead")
+    # BatchNorm on: its running statistics are the graphs' static inputs too (2 ranks in both runs: the same model)
+    runs = {mode: launch(cfg_factory(*_tiny_compiled(mode, batch_norm=True), *fsdp, sub=mode)) for mode in modes}
+    assert runs["reduce-overhead"]["test_count"] == runs["default"]["test_count"] == 512
+    last = [find(tmp_path / mode / "run/checkpoints", "last") for mode in runs]
+    assert_same_weights(*last, rtol=1e-4, atol=1e-5)  # every step replays graphs over gathered parameters
+    assert runs["reduce-overhead"]["test_loss"] == pytest.approx(runs["default"]["test_loss"], rel=1e-4)
+
+
+def _tiny_compiled(mode: str, batch_norm: bool = False) -> tuple[str, ...]:
+    return (
+        "trainer.device=cuda",
+        "data=synthetic",
+        "data.augment=crop_flip",
+        "model=tiny_cnn",
+        "model.width=16",
+        # BatchNorm would see 64 images on one device but 32 per rank: another model
+        f"model.batch_norm={str(batch_norm).lower()}",
+        "data.batch_size=64",
+        "trainer.compile=true",
+        "trainer.amp=false",
+        "trainer.deterministic=true",  # fp32 without TF32
+        f"trainer.compile_mode={mode}",
+    )
 
 
 def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):

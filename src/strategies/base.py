@@ -77,8 +77,8 @@ class Strategy:
         t = cfg.trainer
         if t.compile_mode == "reduce-overhead" and not self.cuda_graphs:
             raise ConfigError(
-                f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single or "
-                f"ddp, not {self.name}; use trainer.compile_mode=default"
+                f"trainer.compile_mode=reduce-overhead (CUDA graphs) works with strategy=single, ddp or "
+                f"fsdp, not {self.name}; use trainer.compile_mode=default"
             )
 
     def processes(

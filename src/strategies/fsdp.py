@@ -38,7 +38,6 @@ class FSDP(_Distributed):
     auto_block_mib: ClassVar[float] = 32.0  # auto shards each block on its own from this mean block size (fp32)
 
     name: ClassVar[str] = "fsdp"
-    cuda_graphs: ClassVar[bool] = False
     fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters: see prepare_optimizer
     channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
     averages_gradients: ClassVar[bool] = True
@@ -59,7 +58,21 @@ class FSDP(_Distributed):
         from src.models import build_model
 
         with torch.device("meta"):
-            self.blocks(build_model(cfg.model, num_classes=10, in_channels=3, start=False))
+            blocks = self.blocks(build_model(cfg.model, num_classes=10, in_channels=3, start=False))
+        t = cfg.trainer
+        if t.compile and t.compile_mode == "reduce-overhead":
+            if self.per_block(blocks):
+                raise ConfigError(
+                    f"trainer.compile_mode=reduce-overhead (CUDA graphs) works under fsdp when the whole model is "
+                    f"one unit, but {len(blocks)} blocks are sharded as units of their own "
+                    f"(strategy.shard_modules={self.shard_modules}); set strategy.shard_modules=root or "
+                    f"trainer.compile_mode=default"
+                )
+            if self.cpu_offload:
+                raise ConfigError(
+                    "trainer.compile_mode=reduce-overhead (CUDA graphs) does not work with strategy.cpu_offload=true "
+                    "(the parameters live on the CPU); set trainer.compile_mode=default"
+                )
 
     def memory_fixes(self, devices):
         fixes = ["set strategy.shard_modules=blocks"] if self._blocks_in_root else []
@@ -110,6 +123,8 @@ class FSDP(_Distributed):
         for unit in units:
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
+        if ctx.cuda_graphs:  # the root alone (preflight)
+            _graph_inputs_in_place(model, ctx.device)
         if ctx.compile and not per_block:  # one unit: its forward is one graph, FSDP's hooks run around the call
             model.forward = torch.compile(model.forward, mode=ctx.compile_mode, dynamic=False)
         ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
@@ -159,6 +174,36 @@ class _Eager(nn.Module):
     def forward(self, x):
         with torch.compiler.set_stance("force_eager"):
             return self.module(x)
+
+
+def _graph_inputs_in_place(root: nn.Module, device: torch.device) -> None:
+    """Keep what the CUDA graphs read in place, so that they replay rather than being recorded again. Dynamo takes an
+    FSDP-managed module's buffers for ordinary inputs, and runs a graph that mutates one (BatchNorm's running
+    statistics) without CUDA graphs: they are marked static. The gathered parameters are static inputs too, and move
+    with FSDP's allocations: `_gather_in_own_pool`."""
+    for buffer in root.buffers():
+        torch._dynamo.mark_static_address(buffer, guard=False)
+    if device.type == "cuda":
+        _gather_in_own_pool(root)
+
+
+def _gather_in_own_pool(root: nn.Module) -> None:
+    """Route the allocations of FSDP's pre-forward (the all-gather and the unsharded parameters) to a memory pool
+    of their own. CUDA graphs take the parameters as static inputs and record again when one moves; FSDP frees the
+    gathered parameters after each backward and allocates them anew before the next forward, where the loader's
+    and metrics' allocations in between would move them. In a pool that sees only these allocations, in the same
+    order each step, they land where they were."""
+    pool, entered = torch.cuda.MemPool(), []
+
+    def enter(module, args, kwargs):  # prepended: runs before FSDP's pre-forward hook
+        entered.append(torch.cuda.use_mem_pool(pool))
+        entered[-1].__enter__()
+
+    def leave(module, args, kwargs):  # appended: runs after it
+        entered.pop().__exit__(None, None, None)
+
+    root.register_forward_pre_hook(leave, with_kwargs=True)
+    root.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
 
 
 @contextlib.contextmanager

@@ -536,8 +536,8 @@ def test_config_errors_say_what_to_change(tmp_path, cfg_factory):
         (("trainer.tta_shift=-1",), "trainer.tta_shift must be an integer >= 0"),
         (("trainer.compile_mode=fast",), "trainer.compile_mode must be one of default, reduce-overhead"),
         (
-            ("strategy=fsdp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
-            "works with strategy=single or ddp, not fsdp",
+            ("strategy=dp", "trainer.devices=2", "trainer.compile_mode=reduce-overhead"),
+            "works with strategy=single, ddp or fsdp, not dp",
         ),
         (("strategy=ddp", "trainer.devices=2", "strategy.compile_scope=all"), "strategy.compile_scope must be"),
         (("strategy=ddp", "trainer.devices=2", "strategy.gradient_sync=hooks"), "strategy.gradient_sync must be"),

@@ -102,6 +102,28 @@ def test_each_bad_option_is_one_line(cfg_factory, override, message):
 
 
 @pytest.mark.parametrize(
+    "option, message",
+    [
+        ("strategy.shard_modules=blocks", "but 2 blocks are sharded as units of their own (strategy.shard_modules="),
+        ("strategy.cpu_offload=true", "does not work with strategy.cpu_offload=true (the parameters live on the CPU)"),
+    ],
+)
+def test_cuda_graphs_are_refused_before_any_process_where_fsdp_gathers_more_than_once(cfg_factory, option, message):
+    graphs = ("trainer.compile=true", "trainer.compile_mode=reduce-overhead")
+    with pytest.raises(ConfigError) as err:
+        launch(cfg_factory("strategy=fsdp", "trainer.devices=2", *graphs, option))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_graph_mode_keeps_batchnorm_statistics_of_the_compiled_fsdp_model(reference, cfg_factory, tmp_path):
+    """trainer.compile_mode=reduce-overhead marks the FSDP-managed buffers static (on CUDA the graphs then replay):
+    the compiled graphs still update BatchNorm's running statistics as eager fsdp does."""
+    graphs = ("trainer.compile=true", "trainer.compile_mode=reduce-overhead", "strategy.shard_modules=root")
+    launch(cfg_factory(*STEPS, *FSDP2, *graphs, sub="graphs"))
+    assert_same(last_weights(tmp_path / "graphs/run"), last_weights(reference), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
     "options",
     [
         ("strategy.prefetch=false", "strategy.cpu_offload=true"),
