@@ -11,7 +11,7 @@ naming it (docs/extending.md).
                  ddp and fsdp, checkpoint state in and out, `build_strategy`
 - `single.py`    `Single`, `DataParallel`
 - `ddp.py`       `DDP` and its flat after-backward gradient sync (`FlatGradientSync`)
-- `fsdp.py`      `FSDP` (FSDP2 fully_shard, compile per unit, prefetch, sharded checkpoints)
+- `fsdp.py`      `FSDP` (FSDP2 fully_shard, compile per unit, CUDA graphs for one unit, prefetch, sharded checkpoints)
 - `blocks.py`    `shard_targets`: a model's blocks (FSDP units, activation-checkpointing units)
 - `activation_checkpointing.py`  `apply_activation_checkpointing`
 """
