@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from src.data.loader_plan import cpus_of_this_process
+
 GIB = 2**30
 
 
@@ -24,13 +26,12 @@ def host(device: torch.device | None = None) -> dict:
     """The machine a number is measured on (HOST_FIELDS): a loader's speed depends on its CPUs as much as on its
     GPUs."""
     cuda = device is not None and device.type == "cuda"
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
     return {
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "gpu_count": torch.cuda.device_count(),
         "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
-        "cpus_usable": usable,  # this process's affinity (a SLURM task's --cpus-per-task, taskset)
+        "cpus_usable": cpus_of_this_process(1),  # its affinity (a SLURM task's --cpus-per-task, taskset)
         "hostname": platform.node(),
         "torch_version": torch.__version__,
     }
