@@ -70,10 +70,7 @@ def profile(run, args) -> None:
         return
     events = prof.key_averages()
     kernels = sum(e.self_device_time_total for e in events) / 1e6
-    # A graph that keeps being recorded again never pays off. Inductor times each recording with dynamo_timed, one
-    # "... (dynamo_timed)" event; other events named after the recording repeat it (their sum was 3x the recordings)
-    named = {e.key: e.count for e in events if e.key.startswith("CUDAGraphNode.record")}
-    recorded = named.get("CUDAGraphNode.record (dynamo_timed)", max(named.values(), default=0))
+    recorded = graphs_recorded(events)
     n = args.warmup_epochs
     print(
         f"epoch {n}: {last_warmup['images_per_sec']:.0f} img/s | epoch {n + 1} (profiled):"
@@ -85,6 +82,14 @@ def profile(run, args) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+
+
+def graphs_recorded(events) -> int:
+    """How many CUDA graphs the profiled events recorded: a graph that keeps being recorded again never pays off.
+    Inductor times each recording with dynamo_timed, one "... (dynamo_timed)" event; other events named after the
+    recording repeat it (their sum was 3x the recordings)."""
+    named = {e.key: e.count for e in events if e.key.startswith("CUDAGraphNode.record")}
+    return named.get("CUDAGraphNode.record (dynamo_timed)", max(named.values(), default=0))
 
 
 if __name__ == "__main__":

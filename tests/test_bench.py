@@ -597,6 +597,19 @@ def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wron
     assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: argument {wrong}: invalid")
 
 
+def test_profile_loop_counts_each_cuda_graph_recording_once():
+    from types import SimpleNamespace as Event  # the key and count of torch.profiler's key_averages()
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_loop import graphs_recorded
+
+    record = "CUDAGraphNode.record"
+    events = [Event(key=f"{record} (dynamo_timed)", count=10), Event(key=record, count=20), Event(key="mm", count=9)]
+    assert graphs_recorded(events) == 10  # one dynamo_timed event per recording; the others repeat it
+    assert graphs_recorded([Event(key=record, count=7), Event(key=f"{record}_x", count=7)]) == 7
+    assert graphs_recorded([Event(key="mm", count=9)]) == 0
+
+
 def test_profile_loop_profiles_the_epoch_after_its_warmup_and_leaves_no_run_behind(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     script = [sys.executable, "bench/profile_loop.py", "trainer.limit_train_batches=3", "--rows", "1"]
