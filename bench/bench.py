@@ -83,7 +83,7 @@ def model_of(args, mode) -> tuple[str, list[str], str, dict]:
 DECODES = {
     "auto": ("auto", []),  # the default: what data.decode=auto picks for this host
     "gpu": ("gpudecode", ["data.decode=gpu"]),
-    "cpu": ("classic", ["data.decode=cpu"]),
+    "cpu": ("classic", ["data.decode=cpu", "data.crop=workers"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
     "split": ("split", ["data.decode=split"]),
 }

@@ -228,6 +228,7 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     }
     assert all(r["ok"] and r["images_per_sec"] > 0 and 0 < r["pass_start_sec"] < 60 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]
+    assert "data.crop=workers" in runs["loader-classic1"]["overrides"]  # not auto's choice, which may move them
     assert "pass start s" in proc.stdout
     # --workers auto: the default's worker count for this host (the CPUs but one, at most 16)
     proc = bench(

@@ -8,7 +8,13 @@ import torch
 from src.run.launch import main as launch
 from src.run.trainer import train
 from src.state.checkpoint import find
-from tests.conftest import assert_compiled_loader_augments_like_eager, assert_same_weights
+from tests.conftest import (
+    assert_compiled_loader_augments_like_eager,
+    assert_same_weights,
+    read_metrics,
+    run_cli,
+    start_until_checkpoint,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPU = (
@@ -139,3 +145,40 @@ def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):
         assert_compiled_loader_augments_like_eager(
             data, torch.device("cuda"), batch=128, seed=5, epoch=2, cutout=8, pad_mode=pad_mode
         )
+
+
+def test_cpu_cropping_workers_that_starve_the_gpu_hand_it_the_crops(tmp_path):
+    """data.crop=auto with data.decode=cpu: one worker cannot feed a tiny model, so the first epoch's probe finds
+    the GPU waiting and the crops move to the GPU; a run stopped and resumed keeps that choice, and its result
+    names the loader it ended with."""
+    import signal
+
+    from tests.data.test_decode import write_tree
+
+    write_tree(tmp_path / "tree", per_class=(64, 8))
+    run_dir = tmp_path / "run"
+    args = (
+        "trainer.device=cuda",
+        "model=tiny_cnn",
+        "data=imagefolder",
+        f"data.root={tmp_path / 'tree'}",
+        "data.image_size=32",
+        "data.val_fraction=0",
+        "data.augment=random_resized_crop",
+        "data.decode=cpu",
+        "data.num_workers=1",
+        "data.batch_size=8",
+        "trainer.max_epochs=30",
+        f"hydra.run.dir={run_dir}",
+    )
+    first = start_until_checkpoint(*args, run_dir=run_dir)
+    first.send_signal(signal.SIGTERM)
+    said = [line for line in first.communicate(timeout=120)[0].splitlines() if "data.crop=auto" in line]
+    assert len(said) == 1 and "(at or over 8%): from here on this process crops" in said[0], said
+    last = find(run_dir / "checkpoints", "last")
+    assert torch.load(last, map_location="cpu", weights_only=True)["crop_on_device"] is True
+    resumed = run_cli(*args, "trainer.resume=auto")
+    said = [line for line in resumed.stdout.splitlines() + resumed.stderr.splitlines() if "data.crop=auto" in line]
+    assert resumed.returncode == 0 and len(said) == 1, resumed.stderr[-2000:]
+    assert said[0].endswith("data.crop=auto: this process crops (the workers decode), as measured before the resume")
+    assert read_metrics(run_dir)["hparams"]["loader"] == "decode-cpu-crop-device"

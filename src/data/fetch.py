@@ -42,9 +42,9 @@ class Fetched(NamedTuple):
 
 
 def _asked(request) -> tuple[str, int | None, torch.Tensor]:
-    """(split, epoch or None for an evaluation, sample ids). The ids come as a numpy array, pickled by value: a
-    tensor would cross as a file descriptor, one socket handshake with the training process per piece (and a
-    worker killed during one printed a traceback there)."""
+    """(split, epoch or None for an evaluation, sample ids) of a request (a DiskFetch's says next whether to
+    crop). The ids come as a numpy array, pickled by value: a tensor would cross as a file descriptor, one socket
+    handshake with the training process per piece (and a worker killed during one printed a traceback there)."""
     return request[0], request[1], torch.from_numpy(request[2])
 
 
@@ -132,6 +132,7 @@ class DiskFetch(torch.utils.data.Dataset):
 
     def __getitems__(self, request):
         split, epoch, ids = _asked(request)
+        crop_here = request[3] if len(request) > 3 else self.crop_here  # the training process may change it
         files, labels = self.splits[split].files, self.splits[split].labels
         if self.device is None:
             kept, images, skipped = _read_or_skip(
@@ -142,7 +143,7 @@ class DiskFetch(torch.utils.data.Dataset):
         ids = ids[kept]
         if not images:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
             return Fetched(torch.empty(0, dtype=torch.uint8), labels[ids], ids, skipped=tuple(skipped))
-        if self.crop_here:
+        if crop_here:
             x = self.crops(images, ids, epoch)
             if self.trivial and split == "train" and epoch is not None:
                 x = trivial_augment(x, self.crops.seed, epoch, ids)

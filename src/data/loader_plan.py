@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 import torch
@@ -23,6 +23,10 @@ AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
 # decoding held ResNet-50 at 0.69x its ceiling where 15 CPU workers gave 0.97x and 4 gave 0.45x
 # (bench/results/decode-default_4xh200_2026-11-28.md)
 MIN_CPU_WORKERS = 6
+# data.crop=auto with CPU-decoding workers on CUDA: the workers crop until the GPU is measured waiting for them this
+# share of the time; then the training process crops. Cropping on the GPU was the faster on every host where the
+# GPU waited 8 % or more, the slower on each where it waited under 5 % (bench/results/decode-default-more-hosts_*)
+CROP_ON_DEVICE_GPU_WAIT = 0.08
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class LoaderPlan:
     workers: int = 0
     gpu_share: float = 0.0
     gpu_workers: int = 0
+    crop_measured: bool = False  # data.crop=auto: `crop_on_device` settled by the GPU's wait (src/run/meter.py)
 
     @property
     def name(self) -> str:
@@ -82,6 +87,10 @@ class LoaderPlan:
             return "workers"
         cropped = "-crop-device" if self.decode == "cpu" and self.crop_on_device else ""
         return f"decode-{self.decode}{cropped}"
+
+    def settled(self, crop_on_device: bool) -> LoaderPlan:
+        """This plan with data.crop=auto's measured choice made."""
+        return replace(self, crop_on_device=crop_on_device, crop_measured=False)
 
 
 def resolve_plan(
@@ -128,6 +137,8 @@ def resolve_plan(
     on_gpu = decode == "gpu"
     split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
     workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
+    # workers that may crop on the CPU, feeding a GPU that may crop faster: measured in the first epoch
+    measured = decode == "cpu" and options.crop == "auto" and device.type == "cuda" and workers > 0 and not trivial
     if on_gpu and device.type == "cuda" and not workers:
         log.warning(
             "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
@@ -137,6 +148,7 @@ def resolve_plan(
         from_disk=True,
         decode=decode,
         crop_on_device=on_gpu or split or options.crop == "device",
+        crop_measured=measured,
         workers=workers,
         gpu_share=options.gpu_share if split else 0.0,
         gpu_workers=AUTO_GPU_DECODING_WORKERS if split else 0,

@@ -121,6 +121,16 @@ class WorkerLoader:
         self.loaders: dict[str, torch.utils.data.DataLoader] = {}
         self.ahead: ReadAhead | None = None  # what prepare() sent the workers before the trainer asks for it
 
+    def settle_crops(self, on_device: bool) -> None:
+        """data.crop=auto's measured choice: the batches asked for from now on are cropped by this process
+        (`on_device`) or by the workers; the same crops either way (src/data/augment.py DiskCrops)."""
+        self.plan = self.plan.settled(on_device)
+
+    def _request(self, split: str, epoch: int | None, ids: torch.Tensor) -> tuple:
+        """A worker's request: (split, epoch, sample ids as numpy) and, for images read from disk, whether the
+        worker crops."""
+        return (split, epoch, ids.numpy(), not self.plan.crop_on_device)
+
     def _key(self, split: str) -> str:
         """Which DataLoader serves `split`: its own for in-memory data, one for all splits of images from disk."""
         return "all" if self.plan.decode else split
@@ -139,7 +149,7 @@ class WorkerLoader:
 
     def _fetch(self, key: str, split: str, epoch: int | None, pieces: list[torch.Tensor]) -> Iterator[Fetched]:
         """What the workers of DataLoader `key` make of each piece of sample ids, in order."""
-        return fetching(self._loader(key, [(split, epoch, piece.numpy()) for piece in pieces]))
+        return fetching(self._loader(key, [self._request(split, epoch, piece) for piece in pieces]))
 
     def _pieces(self, batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
         """Each batch of sample ids cut into the pieces one worker makes: CPU decoding spreads a batch over the
@@ -160,7 +170,7 @@ class WorkerLoader:
         segments = [(s, None, list(ids.split(size))) for s, ids, size in evals if self._key(s) == key]
         segments.append(("train", epoch, micro_batches(steps)))
         requests = [
-            (split, when, piece.numpy())
+            self._request(split, when, piece)
             for split, when, batches in segments
             for pieces in self._pieces(batches)
             for piece in pieces
@@ -179,7 +189,11 @@ class WorkerLoader:
             if self.ahead and self.ahead.loader_key == key:
                 self.ahead = None  # the new pass below replaces it on the same workers
             fetched = self._fetch(key, split, epoch, [piece for batch in pieces for piece in batch])
-        for batch in pieces:
+        cropped_on_device = self.plan.crop_on_device
+        for k, batch in enumerate(pieces):
+            if self.plan.crop_on_device != cropped_on_device:  # settled during the pass: the rest asked anew
+                cropped_on_device, self.ahead = self.plan.crop_on_device, None
+                fetched = self._fetch(key, split, epoch, [piece for later in pieces[k:] for piece in later])
             yield self.finish(self.finish.join([next(fetched) for _ in batch]), split, epoch)
 
     def _shared_batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:

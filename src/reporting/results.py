@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
 from src.config.layout import Layout
+from src.data.loader_plan import CROP_ON_DEVICE_GPU_WAIT
 from src.reporting.efficiency import host
 
 log = logging.getLogger("ddplab")
@@ -107,9 +108,6 @@ def data_wait(m: dict) -> str:
 # the 256-px shards, bench/results/decode-default_4xh200_2026-11-28.md and resnet50-split-loop_2xh200_2026-11-27.md):
 # with 4 CPU workers per GPU, decoding on the GPU fed 1.5x CPU decoding; CPU decoding was the faster from 8 on.
 DATA_BOUND_GPU_WAIT = 0.2
-# CPU-cropping workers whose GPU waited this much: data.crop=device was faster on each host measured there (1.08x,
-# 1.24x under ddp x4 at 8 and 14 %), slower on each below it (0.91-0.95x at 4-5 %): bench/results/decode-default-more-*
-CROP_ON_DEVICE_GPU_WAIT = 0.08
 FEW_CPU_WORKERS = 6  # below it, data.decode=auto decodes on the GPU (src/data/loader_plan.py MIN_CPU_WORKERS)
 # the loaders whose DataLoader workers make the batches (LoaderPlan.name in src/data/loader_plan.py)
 WORKER_LOADERS = ("workers", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split")
@@ -239,7 +237,7 @@ class Reporter:
 
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.hparams = hparams(cfg, layout, strategy, loader, run_dir)
-        self.from_disk = loader.plan.from_disk
+        self.loader = loader  # its plan may change in the run (data.crop=auto): the final figures name the last
         result = run_dir / ("metrics.json" if cfg.train else "eval.json")
         if result.exists() and not result.is_file():  # found now, not after training, when the result would be lost
             raise ConfigError(f"{result} is in the way (not a file); remove it or use another run directory")
@@ -304,7 +302,9 @@ class Reporter:
             log.info("outputs: %s (eval.json)", self.run_dir)
             return
         log_final(final, self.hparams["processes"] > 1)
-        advice = data_bound_advice(final, self.hparams["loader"], self.hparams["num_workers"], self.from_disk)
+        plan = self.loader.plan
+        self.hparams["loader"] = plan.name
+        advice = data_bound_advice(final, plan.name, plan.workers, plan.from_disk)
         if advice:
             log.warning(advice)
         self.loggers.log_metrics(

@@ -40,9 +40,49 @@ class GpuDataWait:
         return self.seconds
 
 
+class CropProbe:
+    """data.crop=auto (LoaderPlan.crop_measured): the share of the time the GPU waited for batches cropped by the
+    CPU workers, over an epoch's micro-batches past its first SKIP (compilation, the prefetched queue draining), at
+    most WINDOW of them, from the same CUDA events as GpuDataWait. `add` says when the window is complete: at the
+    same micro-batch on every rank, so that `wait_fraction` (collective) may agree over them."""
+
+    SKIP, WINDOW, MIN_WINDOW = 20, 60, 8
+
+    def __init__(self, micro_batches: int):
+        self.skip = min(self.SKIP, micro_batches // 3)
+        self.end = min(self.skip + self.WINDOW, micro_batches)
+        self.fetches, self.gaps = 0, []
+
+    @property
+    def measures(self) -> bool:
+        """Whether this epoch has micro-batches enough for a window (else the next epoch measures)."""
+        return self.end - self.skip >= self.MIN_WINDOW
+
+    def add(self, before: torch.cuda.Event, after: torch.cuda.Event) -> bool:
+        self.fetches += 1
+        if self.skip < self.fetches <= self.end:
+            self.gaps.append((before, after))
+        return self.measures and self.fetches == self.end
+
+    def wait_fraction(self, device: torch.device, world_size: int) -> float:
+        """The GPU's wait over the window, divided by the window's GPU time: the mean over ranks (collective)."""
+        self.gaps[-1][1].synchronize()
+        waited = sum(before.elapsed_time(after) for before, after in self.gaps)
+        span = self.gaps[0][0].elapsed_time(self.gaps[-1][1])
+        mine = torch.tensor(waited / max(span, 1e-9), dtype=torch.float64, device=device)
+        return float(all_reduce(mine)) / world_size
+
+
 class EpochMeter:
-    def __init__(self, device: torch.device, world_size: int, resumed_totals: torch.Tensor | None = None):
-        self.device, self.world_size = device, world_size
+    def __init__(
+        self,
+        device: torch.device,
+        world_size: int,
+        resumed_totals: torch.Tensor | None = None,
+        probe: CropProbe | None = None,
+    ):
+        self.device, self.world_size, self.probe = device, world_size, probe
+        self.probed = False  # the probe's window was completed by the last fetch
         self.totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-1 hits, samples
         if resumed_totals is not None:  # a mid-epoch checkpoint holds the sum over ranks: count it once
             self.totals += resumed_totals.to(device)
@@ -59,7 +99,9 @@ class EpochMeter:
         micro = next(batches, None)
         self.wait += time.perf_counter() - t0
         if self.gpu_wait:
-            self.gpu_wait.add(before, self.gpu_wait.mark())
+            after = self.gpu_wait.mark()
+            self.gpu_wait.add(before, after)
+            self.probed = bool(self.probe and micro is not None and self.probe.add(before, after))
         return micro
 
     def add(self, metrics: torch.Tensor, samples: int) -> None:

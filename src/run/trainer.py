@@ -20,6 +20,7 @@ from src.data.augment import AugmentOptions, Recipe
 from src.data.datasets import load_data, options_of
 from src.data.decode import EncodedImages
 from src.data.epoch import eval_shard, plan_epoch
+from src.data.loader_plan import CROP_ON_DEVICE_GPU_WAIT
 from src.data.loaders import build_loader
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
 from src.models import build_model, head_names, new_head_line
@@ -27,7 +28,7 @@ from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flop
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
 from src.run.loss import build_loss_terms
-from src.run.meter import EpochMeter, StepLog
+from src.run.meter import CropProbe, EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import RunPlan, plan_layout
 from src.run.predict import gather_in_rank_order, predict, write
@@ -320,7 +321,9 @@ class Trainer:
         steps = self.plan(epoch)
         p = self.progress
         first = p.step if epoch == p.epoch else 0
-        meter = EpochMeter(self.device, self.layout.world_size, p.partial_totals if first and self.primary else None)
+        probe = CropProbe(sum(len(s.micro) for s in steps[first:])) if self.loader.plan.crop_measured else None
+        totals = p.partial_totals if first and self.primary else None
+        meter = EpochMeter(self.device, self.layout.world_size, totals, probe)
         reset_peak(self.device)
         with tqdm(
             total=len(steps),
@@ -334,6 +337,8 @@ class Trainer:
             batches, step = self.loader.train_batches(steps[first:], epoch), first
             self.step_log.start(meter)
             while (micro := meter.next(batches)) is not None:
+                if meter.probed:  # every rank at this micro-batch
+                    self.settle_crops(probe.wait_fraction(self.device, self.layout.world_size))
                 if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
                     torch.compiler.cudagraph_mark_step_begin()
                 with self.strategy.sync_context(micro.boundary), self.autocast():
@@ -374,6 +379,27 @@ class Trainer:
             self.loader.prepare(self.plan(epoch + 1), epoch + 1, evals)
         row = meter.finish(sum(s.global_count for s in steps[first:]))
         return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
+
+    def settle_crops(self, wait: float | None, kept: bool = False) -> None:
+        """data.crop=auto: the CPU workers keep cropping, or hand the crops to this process where the GPU waited
+        for them CROP_ON_DEVICE_GPU_WAIT of the time or more; `kept`: the choice a resumed checkpoint made."""
+        on_device = self.progress.crop_on_device if kept else wait >= CROP_ON_DEVICE_GPU_WAIT
+        self.loader.settle_crops(on_device)
+        self.progress.crop_on_device = on_device
+        if not self.primary:
+            return
+        where = "this process crops (the workers decode)" if on_device else "the CPU workers crop"
+        if kept:
+            log.info("data.crop=auto: %s, as measured before the resume", where)
+        else:
+            log.info(
+                "data.crop=auto: the GPU waited %.1f%% of the time for batches the CPU workers cropped (%s %.0f%%): "
+                "from here on %s; data.crop=workers or device fixes it",
+                100 * wait,
+                "at or over" if on_device else "under",
+                100 * CROP_ON_DEVICE_GPU_WAIT,
+                where,
+            )
 
     def optimizer_step(self, norm: bool = False) -> torch.Tensor | None:
         """One optimizer step; with `norm` (or trainer.grad_clip), the gradients' global norm before clipping."""
@@ -495,6 +521,8 @@ class Trainer:
             path = self.checkpoints.resume_path()
             if path is not None:
                 self.progress = self.checkpoints.restore(path)
+                if self.progress.crop_on_device is not None and self.loader.plan.crop_measured:
+                    self.settle_crops(None, kept=True)
             elif self.t.init_from:
                 self.start_from(self.t.init_from)
             with self.stops_in_one_line():

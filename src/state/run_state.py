@@ -98,6 +98,7 @@ class Progress:
     partial_totals: torch.Tensor | None = None  # that epoch's loss sum / hits / samples so far, over all ranks
     best_epoch: int = 0
     history: list[dict] = field(default_factory=list)
+    crop_on_device: bool | None = None  # data.crop=auto's measured choice, once made (kept by a resume)
 
     def record(self, row: dict, monitor: Monitor) -> bool:
         """Add an epoch's row; True if its weights are the best so far."""
@@ -151,6 +152,7 @@ class Checkpoints:
             "partial_totals": None if totals is None else totals.cpu(),
             "best_epoch": progress.best_epoch,
             "history": progress.history,
+            "crop_on_device": progress.crop_on_device,
             "rng": ckpt.rng_state(),
             "strategy": self.strategy.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
@@ -186,6 +188,7 @@ class Checkpoints:
             state["partial_totals"],
             state["best_epoch"],
             state["history"],
+            state.get("crop_on_device"),  # (checkpoints written before it)
         )
 
     def final_weights(self, best_epoch: int) -> Path:

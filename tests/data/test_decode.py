@@ -306,6 +306,50 @@ def test_cpu_decoding_with_the_crops_on_the_device_gives_the_same_batches(tmp_pa
     assert len(evals[0]) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(*evals))
 
 
+class ShippedCropped:
+    """The loader's DeviceFinish, noting for each batch whether the workers shipped it cropped."""
+
+    def __init__(self, finish):
+        self.finish, self.cropped = finish, []
+
+    def join(self, pieces):
+        return self.finish.join(pieces)
+
+    def __call__(self, batch, split, epoch, order=None):
+        self.cropped.append(batch.shapes is None)
+        return self.finish(batch, split, epoch, order)
+
+    def close(self):
+        self.finish.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_crops_handed_to_the_training_process_mid_epoch_give_the_same_batches(tmp_path, workers):
+    """data.crop=auto settles where the crops run during an epoch (src/run/meter.py CropProbe): the batches asked
+    for from then on come uncropped from the workers, the next epoch's too, and each batch is the one cropping
+    workers give."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(16, 4))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", f"data.num_workers={workers}")
+    epochs = {e: plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=e) for e in (2, 3)}
+    reference = {e: batches(data, cfg, steps, e, "cpu", crop="workers") for e, steps in epochs.items()}
+    loader = build_loader(data, {**cfg.data, "decode": "cpu"}, CPU, False, seed=7)
+    loader.finish = shipped = ShippedCropped(loader.finish)
+    try:
+        assert loader.plan.name == "decode-cpu" and len(epochs[2]) == 6
+        got = loader.train_batches(epochs[2], 2)
+        first = [next(got) for _ in range(2)]
+        loader.settle_crops(True)
+        assert loader.plan.name == "decode-cpu-crop-device"
+        rest = list(got)
+        loader.prepare(epochs[3], 3)
+        later = list(loader.train_batches(epochs[3], 3))
+    finally:
+        loader.close()
+    assert shipped.cropped == [True, True] + [False] * 4 + [False] * len(epochs[3])
+    for (x, y), b in zip(reference[2] + reference[3], first + rest + later, strict=True):
+        assert torch.equal(x, b.x) and torch.equal(y, b.y)
+
+
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
 def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crops_region(tmp_path, decode):
     """Workers that do not crop send, for training, each image cut to its crop's box (drawn from the whole image's

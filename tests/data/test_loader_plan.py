@@ -27,11 +27,12 @@ PLANS = [  # (options, device, dataset, trivial, the plan)
     ({"loader": "workers", "num_workers": 2}, CUDA, IN_MEMORY, False, LoaderPlan(workers=2)),
     ({"num_workers": 2}, CPU, OWN, False, LoaderPlan(from_disk=True, workers=2)),  # a builder's own Dataset
     ({"num_workers": 3}, CUDA, ENCODED, False, LoaderPlan(False, True, "gpu", True, 3)),  # decode=auto, few CPUs
-    ({"num_workers": 8}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 8)),  # decode=auto, enough
+    # decode=auto, CPUs enough: the workers crop until the GPU is seen waiting for them (crop_measured)
+    ({"num_workers": 8}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 8, crop_measured=True)),
     ({"num_workers": 4, "crop": "workers"}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
     ({"num_workers": 4}, CUDA, ENCODED, True, LoaderPlan(False, True, "cpu", False, 4)),  # trivial: CPU workers
     ({"num_workers": 4}, CPU, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
-    ({"num_workers": 4, "decode": "cpu"}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
+    ({"num_workers": 4, "decode": "cpu"}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4, 0, 0, True)),
     (
         {"num_workers": 4, "decode": "cpu", "crop": "device"},
         CUDA,

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from src.run.meter import EpochMeter
+from src.run.meter import CropProbe, EpochMeter
+
+CPU_DEVICE = torch.device("cpu")
 
 
 def _epoch(meter: EpochMeter, items: int, fetch_sec: float, step) -> dict:
@@ -120,3 +122,60 @@ def test_the_running_loss_after_a_mid_epoch_resume_counts_the_resumed_samples():
     meter = EpochMeter(torch.device("cpu"), 1, resumed)
     meter.add(torch.tensor([8.0, 1.0], dtype=torch.float64), 4)  # 4 more samples at mean 2
     assert meter.running_loss() == pytest.approx(18 / 14)  # was: 18 / 4, the resumed sum over this run's samples
+
+
+class _At:
+    """A moment on a GPU's timeline, read as a CUDA event is (elapsed_time in ms), for CropProbe's arithmetic."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def elapsed_time(self, later: _At) -> float:
+        return 1000 * (later.seconds - self.seconds)
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "micro_batches, skip, end",
+    [(300, 20, 80), (30, 10, 30), (11, 3, 11), (10, 3, None)],  # 10: 7 past the skip, under MIN_WINDOW: no verdict
+)
+def test_the_crop_probe_measures_past_the_first_micro_batches_and_agrees_once(micro_batches, skip, end):
+    """Each fetch: `gap` s without GPU work, then 1 s of step; the skipped fetches (compilation) wait 100 s."""
+    probe, now, done = CropProbe(micro_batches), 0.0, []
+    for k in range(1, micro_batches + 1):
+        gap = 100.0 if k <= skip else 0.25 if k % 2 else 0.05
+        before, now = _At(now), now + gap
+        done.append(probe.add(before, _At(now)))
+        now += 1.0
+    assert done == [k == end for k in range(1, micro_batches + 1)]
+    if end:
+        gaps = [0.25 if k % 2 else 0.05 for k in range(skip + 1, end + 1)]
+        span = sum(gaps) + len(gaps) - 1  # from the window's first fetch to the end of its last
+        assert probe.wait_fraction(CPU_DEVICE, 1) == pytest.approx(sum(gaps) / span)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_crop_probe_reads_the_gpus_wait_past_a_slow_start():
+    """Real CUDA events: 20 starved fetches (compilation, say) then 40 the GPU does not wait for; and 20 quick
+    fetches and steps, then 40 starved ones."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    _gpu_sleep(0)
+    for slow_first in (True, False):
+        probe = CropProbe(60)  # skips 20, measures 40
+        meter = EpochMeter(device, 1, probe=probe)
+
+        def batches(slow_first=slow_first):
+            for k in range(60):
+                time.sleep(0.03 if (k < 20) == slow_first else 0.002)
+                yield k
+
+        it, verdicts = batches(), []
+        while (k := meter.next(it)) is not None:
+            verdicts.append(meter.probed)
+            _gpu_sleep(0.03 if slow_first and k >= 20 else 0.002)
+        assert verdicts == [k == 59 for k in range(60)]
+        wait = probe.wait_fraction(device, 1)
+        assert (wait < 0.08) if slow_first else (wait > 0.75), (slow_first, wait)
