@@ -27,7 +27,7 @@ from src.models import build_model, head_names, new_head_line
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
-from src.run.loss import build_loss_terms, loss_terms
+from src.run.loss import build_loss_terms
 from src.run.meter import CropProbe, EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import RunPlan, plan_layout
@@ -168,15 +168,7 @@ class Trainer:
             apply_activation_checkpointing(model, self.strategy.blocks(model))
         self.model = self.strategy.wrap(
             model,
-            Context(
-                self.device,
-                t.amp,
-                self.amp_dtype,
-                self.layout.devices_per_process,
-                t.compile,
-                t.compile_mode,
-                loss=loss_terms,  # a strategy may compile it into the model's graph (fsdp)
-            ),
+            Context(self.device, t.amp, self.amp_dtype, self.layout.devices_per_process, t.compile, t.compile_mode),
         )
         if cfg.train and t.ema.decay is not None:  # after wrap: under fsdp the average holds local shards
             self.strategy.ema = EMA(self.strategy.core, t.ema.decay, t.ema.every_n_steps)
@@ -350,7 +342,14 @@ class Trainer:
                 if self.cudagraphs:  # CUDA graphs reuse their output memory: mark where a step begins
                     torch.compiler.cudagraph_mark_step_begin()
                 with self.strategy.sync_context(micro.boundary), self.autocast():
-                    loss, metrics = self.training_loss(micro)
+                    # sum / (samples of the whole step), x world where the strategy averages over ranks
+                    loss, metrics = self.loss_terms(
+                        self.model(micro.x),
+                        micro.y,
+                        self.rank_factor / micro.global_count,
+                        self.t.label_smoothing,
+                        *micro.mix,
+                    )
                 self.scaler.scale(loss).backward()
                 meter.add(metrics, len(micro.y))
                 if not micro.boundary:
@@ -380,14 +379,6 @@ class Trainer:
             self.loader.prepare(self.plan(epoch + 1), epoch + 1, evals)
         row = meter.finish(sum(s.global_count for s in steps[first:]))
         return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
-
-    def training_loss(self, micro) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, metrics) of a micro-batch: the sum over its samples / (samples of the whole step), x world where
-        the strategy averages over ranks; from the model's own graph where the strategy compiled the loss in."""
-        arguments = (micro.y, self.rank_factor / micro.global_count, self.t.label_smoothing, *micro.mix)
-        if self.strategy.loss_in_model:
-            return self.model(micro.x, *arguments)
-        return self.loss_terms(self.model(micro.x), *arguments)
 
     def settle_crops(self, wait: float | None, kept: bool = False) -> None:
         """data.crop=auto: the CPU workers keep cropping, or hand the crops to this process where the GPU waited

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -43,7 +42,6 @@ class Context:
     devices_per_process: int = 1
     compile: bool = False
     compile_mode: str = "default"
-    loss: Callable | None = None  # the training objective (src/run/loss.py), for a strategy whose graph takes it in
 
     @property
     def cuda_graphs(self) -> bool:
@@ -66,7 +64,6 @@ class Strategy:
     channels_last_weights: ClassVar[bool] = True  # weights may be converted to channels_last
     cudnn_benchmark: ClassVar[bool] = True
     averages_gradients: ClassVar[bool] = False  # the sync divides by the world size (DDP's reducer, FSDP)
-    loss_in_model: ClassVar[bool] = False  # set by wrap: model(x, *loss arguments) gives (loss, metrics)
     ema: ClassVar[EMA | None] = None  # trainer.ema: set by the trainer after wrap; saved and resumed with the model
 
     # --- before any process starts -------------------------------------------------------------

@@ -125,10 +125,8 @@ class FSDP(_Distributed):
         fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
         if ctx.cuda_graphs:  # the root alone (preflight)
             _graph_inputs_in_place(model, ctx.device)
-        if ctx.compile and not per_block:  # one unit: its forward (and the loss) one graph, FSDP's hooks around it
-            forward = _with_loss(model.forward, ctx.loss) if ctx.loss else model.forward
-            model.forward = torch.compile(forward, mode=ctx.compile_mode, dynamic=False)
-            self.loss_in_model = ctx.loss is not None
+        if ctx.compile and not per_block:  # one unit: its forward is one graph, FSDP's hooks run around the call
+            model.forward = torch.compile(model.forward, mode=ctx.compile_mode, dynamic=False)
         ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
         for i, unit in enumerate([model, *units][:-1] if ahead else []):  # forward: the root, then the units
             unit.set_modules_to_forward_prefetch(units[i : i + ahead])
@@ -163,19 +161,6 @@ class FSDP(_Distributed):
         model_state, optim_state = _dcp().get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered
         tensors = {"model": model_state, "optimizer": optim_state, **average}
         ckpt.save_sharded(tensors, state, directory, names, primary)
-
-
-def _with_loss(forward, loss):
-    """The root unit's forward that, given the loss's arguments, returns loss(logits, *arguments): the model and its
-    loss then compile into one graph, where two graphs and the hooks between them cost host time each step (with
-    CUDA graphs, torch's own FSDP2 loop took 7.3 ms a step so against 10.9 as two: bench/results/fsdp-small-work_*).
-    Without them (evaluation), the logits."""
-
-    def forward_and_loss(x, *arguments):
-        logits = forward(x)
-        return loss(logits, *arguments) if arguments else logits
-
-    return forward_and_loss
 
 
 class _Eager(nn.Module):
