@@ -42,8 +42,8 @@ class Fetched(NamedTuple):
 
 
 def _asked(request) -> tuple[str, int | None, torch.Tensor]:
-    """(split, epoch or None for an evaluation, sample ids) of a request (a DiskFetch's says next whether to
-    crop). The ids come as a numpy array, pickled by value: a tensor would cross as a file descriptor, one socket
+    """(split, epoch or None for an evaluation, sample ids) of a request; a DiskFetch's request also says whether
+    to crop. The ids come as a numpy array, pickled by value: a tensor would cross as a file descriptor, one socket
     handshake with the training process per piece (and a worker killed during one printed a traceback there)."""
     return request[0], request[1], torch.from_numpy(request[2])
 
