@@ -380,9 +380,10 @@ class Trainer:
         row = meter.finish(sum(s.global_count for s in steps[first:]))
         return {**row, **self.efficiency(row["images_per_sec"]), "lr": self.scheduler.get_last_lr()[0]}
 
-    def settle_crops(self, wait: float | None, kept: bool = False) -> None:
+    def settle_crops(self, wait: float | None) -> None:
         """data.crop=auto: the CPU workers keep cropping, or hand the crops to this process where the GPU waited
-        for them CROP_ON_DEVICE_GPU_WAIT of the time or more; `kept`: the choice a resumed checkpoint made."""
+        for them CROP_ON_DEVICE_GPU_WAIT of the time or more; `wait` None: the choice a resumed checkpoint made."""
+        kept = wait is None
         on_device = self.progress.crop_on_device if kept else wait >= CROP_ON_DEVICE_GPU_WAIT
         self.loader.settle_crops(on_device)
         self.progress.crop_on_device = on_device
@@ -522,7 +523,7 @@ class Trainer:
             if path is not None:
                 self.progress = self.checkpoints.restore(path)
                 if self.progress.crop_on_device is not None and self.loader.plan.crop_measured:
-                    self.settle_crops(None, kept=True)
+                    self.settle_crops(None)  # as measured before the resume
             elif self.t.init_from:
                 self.start_from(self.t.init_from)
             with self.stops_in_one_line():
