@@ -922,3 +922,32 @@ def test_a_refused_run_leaves_no_directory_but_keeps_one_it_did_not_make(tmp_pat
     proc = run_cli("debug=fast", "optim.lr=-1", f"hydra.run.dir={mine}", cwd=tmp_path)
     _one_line_error(proc, "optim.lr must be a number > 0")
     assert (mine / "notes.txt").read_text() == "kept"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("epoch", "3"),
+        ("step", -1),
+        ("best_epoch", 1.5),
+        ("history", {"epoch": 1}),
+        ("history", [{"epoch": 1}, "row"]),
+        ("partial_totals", [1.0, 2.0, 3.0]),
+        ("crop_on_device", "no"),  # was: taken by its truth value, i.e. True
+    ],
+)
+def test_a_checkpoint_whose_progress_is_not_what_train_py_writes_is_refused_in_one_line(
+    finished_run, cfg_factory, tmp_path, key, value
+):
+    state = torch.load(finished_run / "checkpoints/last.pt", weights_only=True)
+    state[key] = value
+    crafted = tmp_path / "crafted.pt"
+    torch.save(state, crafted)
+    before = crafted.read_bytes()
+    for given in ([f"trainer.resume={crafted}"], ["train=false", f"ckpt_path={crafted}"]):  # resume, evaluate
+        with pytest.raises(ConfigError) as info:
+            launch(cfg_factory("trainer.max_epochs=3", *given))
+        message = str(info.value)
+        assert "\n" not in message and f"checkpoint {crafted} is refused: its {key!r} is " in message, message
+        assert crafted.read_bytes() == before
+        assert not (tmp_path / "run/metrics.json").exists() and not (tmp_path / "run/eval.json").exists()

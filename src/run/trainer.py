@@ -32,7 +32,7 @@ from src.run.meter import CropProbe, EpochMeter, StepLog
 from src.run.optim import build_optimizer
 from src.run.plan import RunPlan, plan_layout
 from src.run.predict import gather_in_rank_order, predict, write
-from src.state.run_state import Checkpoints, Monitor, Progress
+from src.state.run_state import Checkpoints, Monitor, Progress, progress_of
 from src.state.signals import StopRequest
 from src.strategies import Context, apply_activation_checkpointing
 from src.strategies.ema import EMA
@@ -207,7 +207,7 @@ class Trainer:
         if self.primary:
             new = state["new_head"]
             log.info(
-                "trainer.init_from: the weights of %s (its epoch %d)%s",
+                "trainer.init_from: the weights of %s (its epoch %s)%s",
                 path,
                 state["epoch"],
                 f"; {new_head_line(', '.join(new), self.data.num_classes)}" if new else "",
@@ -540,7 +540,8 @@ class Trainer:
             if not self.cfg.ckpt_path:
                 raise ConfigError("train=false needs ckpt_path=<checkpoint file> to evaluate")
             state = self.checkpoints.load_weights(self.cfg.ckpt_path)
-            self.progress = Progress(best_epoch=state.get("best_epoch", 0))  # its training figures stay its own
+            best_epoch = progress_of(state, Path(self.cfg.ckpt_path)).best_epoch
+            self.progress = Progress(best_epoch=best_epoch)  # its training figures stay its own
             status = "evaluated"
             self.strategy.sync_buffers()
             in_sync = self.strategy.replicas_agree(self.device)

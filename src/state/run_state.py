@@ -4,6 +4,7 @@ and the options its `Monitor` reads (`objective`, `trainer.early_stopping`), dec
 from __future__ import annotations
 
 import logging
+import reprlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,20 +177,14 @@ class Checkpoints:
 
     def restore(self, path: Path) -> Progress:
         state = self.load_weights(path, with_optimizer=True)
+        progress = progress_of(state, Path(path))
         self.resumed_from = Path(path)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
         if self.primary:
-            log.info("resumed from %s at epoch %d step %d", path, state["epoch"] + 1, state["step"])
-        return Progress(
-            state["epoch"],
-            state["step"],
-            state["partial_totals"],
-            state["best_epoch"],
-            state["history"],
-            state.get("crop_on_device"),  # (checkpoints written before it)
-        )
+            log.info("resumed from %s at epoch %d step %d", path, progress.epoch + 1, progress.step)
+        return progress
 
     def final_weights(self, best_epoch: int) -> Path:
         """The best epoch's weights: this run's best.pt; for a run resumed from another dir's checkpoint whose best
@@ -210,6 +205,33 @@ class Checkpoints:
                 last,
             )
         return last
+
+
+def _whole(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+PROGRESS_ENTRIES = {  # a checkpoint's entry -> (what train.py writes there, the test of it)
+    "epoch": ("a whole number", _whole),
+    "step": ("a whole number", _whole),
+    "partial_totals": ("None or 3 sums", lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (3,))),
+    "best_epoch": ("a whole number", _whole),
+    "history": ("a list of epoch rows", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v)),
+    "crop_on_device": ("None, true or false", lambda v: v is None or type(v) is bool),
+}
+
+
+def progress_of(state: dict, path: Path) -> Progress:
+    """The checkpoint's `Progress`, or a one-line refusal naming the first entry train.py would not have written
+    (a crafted or damaged file); `crop_on_device` may be absent (checkpoints written before it)."""
+    values = {key: state.get(key, None if key == "crop_on_device" else "absent") for key in PROGRESS_ENTRIES}
+    for key, (what, valid) in PROGRESS_ENTRIES.items():
+        if not valid(values[key]):
+            raise ConfigError(
+                f"checkpoint {path} is refused: its {key!r} is {reprlib.repr(values[key])}, not {what}; "
+                "pass a checkpoint written by train.py"
+            )
+    return Progress(**values)
 
 
 def _holds_epoch(path: Path, epoch: int) -> bool:
