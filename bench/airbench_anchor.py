@@ -2,13 +2,14 @@
 """airbench96 on the CIFAR-10 JPEGs: the time-to-accuracy anchor of `experiment=cifar10_*` (issue 34, item 4).
 
     python bench/airbench_anchor.py --data data/cifar10-jpeg --seeds 2,4,42 --out airbench96.json
+    python bench/airbench_anchor.py --data data/cifar10-jpeg --epochs 40,60,80 --out longer.json  # its plateau
 
 airbench (Keller Jordan's CIFAR-10 speedruns, `pip install airbench==0.1.8`) reads CIFAR-10 as two tensor files,
 `cifar10/train.pt` and `cifar10/test.pt` under its working directory. This script writes them once from the same
 JPEG ImageFolder ddplab trains on (decoded by PIL, labels in ImageFolder order), runs airbench's warm-up, then
-`train96` once per seed, and reports the test-time-augmented accuracy and time that airbench itself prints (CUDA
-events around the whitening layer's initialisation, the training steps and the final evaluation), with the wall
-time of each run beside them.
+`train96` once per seed and training length (`--epochs`; airbench96's own is 40), and reports the test-time-augmented
+accuracy and time that airbench itself prints (CUDA events around the whitening layer's initialisation, the training
+steps and the final evaluation), with the wall time of each run beside them.
 """
 
 from __future__ import annotations
@@ -105,10 +106,36 @@ def seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+def epochs(text: str) -> list[float]:
+    """An argparse type: comma-separated positive epoch counts (airbench takes fractions)."""
+    counts = [float(s) for s in text.split(",")]
+    if not all(0 < c < 1000 for c in counts):
+        raise ValueError(text)
+    return counts
+
+
+def by_epochs(runs: list[dict]) -> list[dict]:
+    """Per training length: the mean and sample std of the test top-1 over its seeds, and the mean time."""
+    summaries = []
+    for length in dict.fromkeys(r["epochs"] for r in runs):
+        mine = [r for r in runs if r["epochs"] == length]
+        top1 = [r["test_top1"] for r in mine]
+        summaries.append(
+            {
+                "epochs": length,
+                "test_top1_mean": statistics.mean(top1),
+                "test_top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
+                "seconds_mean": statistics.mean(r["seconds"] for r in mine),
+            }
+        )
+    return summaries
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="the CIFAR-10 JPEG ImageFolder (train/, test/)")
     p.add_argument("--seeds", type=seeds, default="2,4,42", help="comma-separated seeds, one airbench96 run each")
+    p.add_argument("--epochs", type=epochs, default="40", help="comma-separated training lengths (default: 40)")
     p.add_argument("--work", default="outputs/bench/airbench", help="where cifar10/{train,test}.pt are written")
     p.add_argument("--out", required=True, help="JSON file")
     args = p.parse_args()
@@ -118,6 +145,7 @@ def main() -> int:
         sys.exit(f"airbench_anchor.py: {refusal}")
     import airbench
     import torch
+    from airbench import lib_airbench96
 
     from src.reporting.efficiency import host
 
@@ -125,30 +153,30 @@ def main() -> int:
     os.chdir(export_tensors(data, work).parent)  # airbench opens cifar10/ relative to the working directory
     with contextlib.redirect_stdout(io.StringIO()):
         airbench.warmup96()  # one step: compilation and cuDNN autotuning, untimed
-    runs = []
-    for k, seed in enumerate(args.seeds):
-        torch.manual_seed(seed)
-        printed = io.StringIO()
-        t0 = time.perf_counter()
-        with contextlib.redirect_stdout(printed):
-            airbench.train96(run=k + 1)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        top1, seconds = final_row(printed.getvalue())
-        runs.append({"seed": seed, "test_top1": 100 * top1, "seconds": seconds, "wall_seconds": wall})
-        print(f"airbench96 seed {seed}: {100 * top1:.2f} % in {seconds:.2f} s (airbench's time)", flush=True)
-    top1 = [r["test_top1"] for r in runs]
-    report = {
-        "runs": runs,
-        "test_top1_mean": statistics.mean(top1),
-        "test_top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
-        "seconds_mean": statistics.mean(r["seconds"] for r in runs),
-        "data": str(data),
-        **host(torch.device("cuda", 0)),
-        "airbench_version": getattr(airbench, "__version__", "0.1.8"),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    runs: list[dict] = []
+    for length in args.epochs:
+        for k, seed in enumerate(args.seeds):
+            torch.manual_seed(seed)
+            printed = io.StringIO()
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(printed):
+                lib_airbench96.train96(epochs=length, run=k + 1)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            top1, seconds = final_row(printed.getvalue())
+            runs.append(
+                {"epochs": length, "seed": seed, "test_top1": 100 * top1, "seconds": seconds, "wall_seconds": wall}
+            )
+            print(f"airbench96 {length:g} epochs, seed {seed}: {100 * top1:.2f} % in {seconds:.2f} s", flush=True)
+            report = {
+                "runs": runs,
+                "by_epochs": by_epochs(runs),
+                "data": str(data),
+                **host(torch.device("cuda", 0)),
+                "airbench_version": getattr(airbench, "__version__", "0.1.8"),
+            }
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2))  # after every run: a run cut short keeps the ones before
     return 0
 
 

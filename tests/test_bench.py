@@ -583,6 +583,7 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
         ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--threads", "-3"], "--threads"),
         ("dali_anchor.py", ["--shards", "x", "--mode", "loop", "--hw-decoder-load", "1.5"], "--hw-decoder-load"),
         ("airbench_anchor.py", ["--data", "x", "--seeds", "2,a"], "--seeds"),
+        ("airbench_anchor.py", ["--data", "x", "--epochs", "40,0"], "--epochs"),
         ("bench.py", ["--list", "--workers", "4,x"], "--workers"),
         ("bench.py", ["--list", "--workers", "-1"], "--workers"),
         ("bench.py", ["--list", "--gpus", "0"], "--gpus"),
