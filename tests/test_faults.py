@@ -934,6 +934,7 @@ def test_a_refused_run_leaves_no_directory_but_keeps_one_it_did_not_make(tmp_pat
         ("history", [{"epoch": 1}, "row"]),
         ("partial_totals", [1.0, 2.0, 3.0]),
         ("crop_on_device", "no"),  # was: taken by its truth value, i.e. True
+        ("step", None),  # stands for an entry left out: "its 'step' is absent"
     ],
 )
 def test_a_checkpoint_whose_progress_is_not_what_train_py_writes_is_refused_in_one_line(
@@ -941,6 +942,8 @@ def test_a_checkpoint_whose_progress_is_not_what_train_py_writes_is_refused_in_o
 ):
     state = torch.load(finished_run / "checkpoints/last.pt", weights_only=True)
     state[key] = value
+    if value is None:
+        del state[key]
     crafted = tmp_path / "crafted.pt"
     torch.save(state, crafted)
     before = crafted.read_bytes()

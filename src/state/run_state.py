@@ -207,6 +207,11 @@ class Checkpoints:
         return last
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
 def _whole(value) -> bool:
     return type(value) is int and value >= 0
 
@@ -224,7 +229,7 @@ PROGRESS_ENTRIES = {  # a checkpoint's entry -> (what train.py writes there, the
 def progress_of(state: dict, path: Path) -> Progress:
     """The checkpoint's `Progress`, or a one-line refusal naming the first entry train.py would not have written
     (a crafted or damaged file); `crop_on_device` may be absent (checkpoints written before it)."""
-    values = {key: state.get(key, None if key == "crop_on_device" else "absent") for key in PROGRESS_ENTRIES}
+    values = {key: state.get(key, None if key == "crop_on_device" else _Absent()) for key in PROGRESS_ENTRIES}
     for key, (what, valid) in PROGRESS_ENTRIES.items():
         if not valid(values[key]):
             raise ConfigError(
