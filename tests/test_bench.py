@@ -472,6 +472,23 @@ def test_dali_anchor_without_dali_says_what_to_install_in_one_line(tmp_path):
     ]
 
 
+def test_airbench_anchor_summarises_each_training_length_over_its_own_seeds():
+    """--epochs 40,60: each length's mean, sample std and mean time come from its runs alone, in the order run."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from airbench_anchor import by_epochs
+
+    runs = [
+        {"epochs": 40.0, "seed": 2, "test_top1": 93.14, "seconds": 19.81},
+        {"epochs": 40.0, "seed": 4, "test_top1": 93.32, "seconds": 19.84},
+        {"epochs": 60.0, "seed": 2, "test_top1": 93.62, "seconds": 29.66},
+    ]
+    forty, sixty = by_epochs(runs)
+    assert forty["epochs"] == 40.0 and sixty["epochs"] == 60.0
+    assert forty["test_top1_mean"] == pytest.approx(93.23) and forty["test_top1_std"] == pytest.approx(0.18 / 2**0.5)
+    assert forty["seconds_mean"] == pytest.approx(19.825)
+    assert sixty == {"epochs": 60.0, "test_top1_mean": 93.62, "test_top1_std": 0.0, "seconds_mean": 29.66}
+
+
 def test_airbench_anchor_hands_airbench_the_jpegs_as_its_tensors_and_reads_its_final_row(tmp_path):
     """airbench reads cifar10/{train,test}.pt: the anchor writes them from the JPEG folder ddplab trains on, pixel
     for pixel as PIL decodes each file, labelled in ImageFolder order; it takes accuracy and time from the last
