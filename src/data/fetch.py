@@ -108,12 +108,12 @@ def _read_or_skip(files: EncodedImages, ids: torch.Tensor, skip: bool, keep) -> 
 
 class DiskFetch(torch.utils.data.Dataset):
     """Images read from disk, a piece of a batch of any split per fetch. device None (data.decode=cpu): decoded
-    by this worker's CPU, and cropped here when `crop_here`. Else decoded on `device`: the JPEGs its decoder takes
-    in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on the CPU. Uncropped
-    images go back to back in one buffer, for the training process to crop (a training crop's region only). On
-    CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each image's colour conversion,
-    which behind the step's kernels in one context is ~25x slower; cropping in these workers too slowed both
-    them and the step, so the training process crops."""
+    by this worker's CPU, and cropped here when the request says so (its 4th item). Else decoded on `device`: the
+    JPEGs its decoder takes in one batched call (nvjpeg on CUDA), the rest (PNG, CMYK, grayscale, progressive) on
+    the CPU. Uncropped images go back to back in one buffer, for the training process to crop (a training crop's
+    region only). On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each image's
+    colour conversion, which behind the step's kernels in one context is ~25x slower; cropping in these workers too
+    slowed both them and the step, so the training process crops."""
 
     def __init__(
         self,
@@ -121,18 +121,17 @@ class DiskFetch(torch.utils.data.Dataset):
         crops: DiskCrops,
         device: torch.device | None,
         skip: bool,
-        crop_here: bool,
         trivial: bool = False,
     ):
         self.splits, self.crops, self.device, self.skip = {k: getattr(data, k) for k in SPLITS}, crops, device, skip
-        self.crop_here, self.trivial = crop_here, trivial
+        self.trivial = trivial
 
     def __len__(self):
         return len(self.splits["train"])
 
     def __getitems__(self, request):
         split, epoch, ids = _asked(request)
-        crop_here = request[3] if len(request) > 3 else self.crop_here  # the training process may change it
+        crop_here = request[3]  # the training process's choice, which data.crop=auto may change mid-run
         files, labels = self.splits[split].files, self.splits[split].labels
         if self.device is None:
             kept, images, skipped = _read_or_skip(

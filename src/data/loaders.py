@@ -107,13 +107,13 @@ class WorkerLoader:
         if plan.decode:
             on_gpu = self.device if gpu_decoding else None
             trivial = augmentation.recipe.trivial
-            self.fetch = DiskFetch(data, crops, on_gpu, skip_bad_images, not plan.crop_on_device, trivial)
+            self.fetch = DiskFetch(data, crops, on_gpu, skip_bad_images, trivial)
         elif data.in_memory:
             self.fetch = MemoryFetch(data, augmentation.for_workers(data), seed)
         else:
             self.fetch = FileFetch(data)
         if plan.gpu_share:  # a second set of workers, decoding each batch's GPU share on the device
-            self.gpu_fetch = DiskFetch(data, crops, self.device, skip_bad_images, crop_here=False)
+            self.gpu_fetch = DiskFetch(data, crops, self.device, skip_bad_images)
         self.pin = cuda and not gpu_decoding  # GPU-decoded batches arrive on the device
         self.cuda_workers = gpu_decoding and cuda and plan.workers > 0  # CUDA cannot start in a forked child
         self.cuda_gpu_workers = cuda

@@ -362,11 +362,11 @@ def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crop
     shapes = [tuple(image.shape[1:]) for image in images]
     boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
     assert (boxes[:, 2] * boxes[:, 3] < [h * w for h, w in shapes]).any()  # some crop smaller than its image
-    sent = loader.fetch.__getitems__(("train", 3, ids.numpy()))
+    sent = loader.fetch.__getitems__(("train", 3, ids.numpy(), False))
     assert sent.shapes.tolist() == [[3, h, w] for _, _, h, w in boxes.tolist()]
     regions = [image[:, y : y + h, x : x + w].reshape(-1) for image, (y, x, h, w) in zip(images, boxes.tolist())]
     assert torch.equal(sent.x, torch.cat(regions)) and torch.equal(sent.flips, torch.from_numpy(flips))
-    sent = loader.fetch.__getitems__(("test", None, np.arange(4)))
+    sent = loader.fetch.__getitems__(("test", None, np.arange(4), False))
     assert sent.flips is None and sent.shapes[:, 1:].tolist() == [
         list(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.test.files.read(range(4))
     ]
