@@ -207,3 +207,58 @@ class FileImages(EncodedImages):
             except OSError as exc:  # missing, a broken symlink, unreadable
                 out.append(unreadable(self._name(row), exc))
         return out
+
+
+def nvimgcodec_missing() -> str | None:
+    """Why data.decode=nvimgcodec cannot run here (one line saying what to install), or None."""
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return "data.decode=nvimgcodec needs nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
+    return None
+
+
+class NvImageCodec:
+    """JPEGs decoded through nvImageCodec (data.decode=nvimgcodec), each whole or only a region of it. On CUDA its
+    backends are tried in order, and the first that takes an image decodes it: the GPU's hardware JPEG engine
+    (A100, H100 and later), else nvjpeg with Huffman decoding on the GPU, else with it on the CPU. Which one decodes
+    an image depends on the image alone, never on the batch around it. On a CPU device: libjpeg-turbo."""
+
+    def __init__(self, device: torch.device):
+        from nvidia import nvimgcodec as nv
+
+        self.nv, self.device = nv, device
+        if device.type == "cuda":
+            kinds = (nv.HW_GPU_ONLY, nv.GPU_ONLY, nv.HYBRID_CPU_GPU)
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self.decoder = nv.Decoder(device_id=index, backends=[nv.Backend(kind) for kind in kinds])
+        else:
+            self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
+        # torchvision's decoders ignore EXIF orientation too: the same pixels whichever decodes
+        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.SRGB, allow_any_depth=False)
+
+    def stream(self, data):
+        """A JPEG's code stream: its header read, its height and width known, nothing decoded; None where
+        nvImageCodec cannot parse the header."""
+        try:
+            return self.nv.CodeStream(bytes(data))
+        except RuntimeError:
+            return None
+
+    def __call__(self, streams: list, boxes: list | None = None) -> list:
+        """uint8 3 x h x w on the device per stream (boxes[k] = (top, left, height, width): that region only), or
+        None where no backend decodes it (a damaged file: the CPU decoder then names what is wrong)."""
+        if boxes is not None:
+            region = self.nv.Region
+            streams = [
+                s.get_sub_code_stream(region=region(top, left, top + h, left + w))
+                for s, (top, left, h, w) in zip(streams, boxes)
+            ]
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device).cuda_stream if cuda else 0
+        try:
+            images = self.decoder.decode(streams, params=self.params, cuda_stream=stream)
+        except RuntimeError:
+            images = [None] * len(streams)
+        tensor = torch.from_dlpack if cuda else lambda image: torch.from_numpy(np.asarray(image))
+        return [None if image is None else tensor(image).permute(2, 0, 1) for image in images]

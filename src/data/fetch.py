@@ -18,7 +18,7 @@ import torch
 from src.config.errors import ConfigError
 from src.data.augment import Augmentation, DiskCrops, EpochDraws, to_device, trivial_augment
 from src.data.datasets import DataBundle
-from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
+from src.data.decode import EncodedImages, NvImageCodec, as_tensor, decode_batch, decode_cpu, gpu_decodable
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
 SPLITS = ("train", "val", "test")
@@ -113,7 +113,8 @@ class DiskFetch(torch.utils.data.Dataset):
     the CPU. Uncropped images go back to back in one buffer, for the training process to crop (a training crop's
     region only). On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each image's
     colour conversion, which behind the step's kernels in one context is ~25x slower; cropping in these workers too
-    slowed both them and the step, so the training process crops."""
+    slowed both them and the step, so the training process crops. With `nvimgcodec` (data.decode=nvimgcodec) the
+    JPEGs' headers are read first and only each training crop's region is decoded (src/data/decode.py)."""
 
     def __init__(
         self,
@@ -122,9 +123,14 @@ class DiskFetch(torch.utils.data.Dataset):
         device: torch.device | None,
         skip: bool,
         trivial: bool = False,
+        nvimgcodec: bool = False,
     ):
         self.splits, self.crops, self.device, self.skip = {k: getattr(data, k) for k in SPLITS}, crops, device, skip
-        self.trivial = trivial
+        self.trivial, self.nvimgcodec = trivial, nvimgcodec
+        self.codec: NvImageCodec | None = None  # made in the worker that uses it
+
+    def __getstate__(self):  # a worker makes its own decoder
+        return {**self.__dict__, "codec": None}
 
     def __len__(self):
         return len(self.splits["train"])
@@ -133,23 +139,27 @@ class DiskFetch(torch.utils.data.Dataset):
         split, epoch, ids = _asked(request)
         crop_here = request[3]  # the training process's choice, which data.crop=auto may change mid-run
         files, labels = self.splits[split].files, self.splits[split].labels
+        flips = None  # where given, `images` are already their training crops' regions
         if self.device is None:
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
             )
+        elif self.nvimgcodec:
+            kept, images, flips, skipped = self._decode_regions(files, ids, epoch)
         else:
             kept, images, skipped = self._decode_on_device(files, ids)
         ids = ids[kept]
         if not images:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
             return Fetched(torch.empty(0, dtype=torch.uint8), labels[ids], ids, skipped=tuple(skipped))
         if crop_here:
-            x = self.crops(images, ids, epoch)
+            x = self.crops(images, ids, epoch) if flips is None else self.crops.resize(images, flips)
             if self.trivial and split == "train" and epoch is not None:
                 x = trivial_augment(x, self.crops.seed, epoch, ids)
             return Fetched(x, labels[ids], ids, skipped=tuple(skipped))
         # a training crop's region only, not the whole image: about the crop's bytes cross to the training process
-        cut = self.crops.regions(images, ids, epoch)
-        images, flips = cut if cut else (images, None)
+        if flips is None:
+            cut = self.crops.regions(images, ids, epoch)
+            images, flips = cut if cut else (images, None)
         packed = torch.cat([image.reshape(-1) for image in images])  # not yet resized, back to back
         if packed.is_cuda:  # the training process reads it as soon as it arrives
             torch.cuda.current_stream(packed.device).synchronize()
@@ -157,9 +167,54 @@ class DiskFetch(torch.utils.data.Dataset):
         flips = None if flips is None else torch.from_numpy(flips)
         return Fetched(packed, labels[ids], ids, skipped=tuple(skipped), shapes=shapes, flips=flips)
 
-    def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
+    def _on_device(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the rank's GPU (a worker starts on the first)
+
+    def _decode_regions(self, files: EncodedImages, ids: torch.Tensor, epoch: int | None):
+        """data.decode=nvimgcodec: (kept positions, images, flips, skipped lines). Each JPEG's size is read from its
+        header, its training crop drawn from it and only that region decoded (flips None: whole images, for the
+        centre crops of evaluation). Images nvImageCodec does not take are decoded on the CPU, then cut."""
+        self._on_device()
+        if self.codec is None:
+            self.codec = NvImageCodec(self.device)
+        codec = self.codec
+
+        def header_or_decoded(data, i):
+            stream = codec.stream(data) if gpu_decodable(data) else None
+            return (data, stream) if stream is not None else decode_cpu(as_tensor(data), files.name(i))
+
+        kept, items, skipped = _read_or_skip(files, ids, self.skip, header_or_decoded)
+        sizes = [(item[1].height, item[1].width) if isinstance(item, tuple) else item.shape[1:] for item in items]
+        drawn = self.crops.boxes(ids[kept], epoch, [h for h, _ in sizes], [w for _, w in sizes])
+        boxes, flips = (None, None) if drawn is None else (drawn[0].tolist(), drawn[1])
+        coded = [k for k, item in enumerate(items) if isinstance(item, tuple)]
+        decoded = codec([items[k][1] for k in coded], None if boxes is None else [boxes[k] for k in coded])
+        for k, image in zip(coded, decoded):
+            items[k] = image if image is not None else items[k][0]
+        by_codec = {k for k, image in zip(coded, decoded) if image is not None}
+        images, keep = [], []
+        for k, item in enumerate(items):
+            if isinstance(item, (bytes, bytearray, memoryview)):  # no backend decoded it: the CPU names why
+                try:
+                    item = decode_cpu(as_tensor(item), files.name(int(ids[kept[k]])))
+                except ConfigError as exc:
+                    if not self.skip:
+                        raise
+                    skipped.append(str(exc))
+                    continue
+            if k not in by_codec:  # decoded on the CPU: cut, then moved
+                if boxes is not None:
+                    top, left, h, w = boxes[k]
+                    item = item[:, top : top + h, left : left + w].contiguous()
+                item = to_device(item, self.device)
+            images.append(item)
+            keep.append(k)
+        flips = None if flips is None else flips[keep]
+        return [kept[k] for k in keep], images, flips, skipped
+
+    def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
+        self._on_device()
 
         def encoded_or_decoded(data, i):
             return as_tensor(data) if gpu_decodable(data) else decode_cpu(as_tensor(data), files.name(i))

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,7 @@ def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU, 
     with_decode = cfg.data.copy()
     with_decode.decode, with_decode.crop = decode, crop
     loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
-    name = {"gpu": "decode-gpu", "split": "decode-split"}.get(
+    name = {"gpu": "decode-gpu", "split": "decode-split", "nvimgcodec": "decode-nvimgcodec"}.get(
         decode, "decode-cpu-crop-device" if crop == "device" else "decode-cpu"
     )
     assert isinstance(loader, WorkerLoader) and loader.plan.name == name
@@ -276,15 +277,80 @@ def test_what_the_device_decoder_gets_and_the_cpu_fallback():
         assert image.shape == (3, 20, 28) and torch.equal(image, pil_rgb(data)), kind
 
 
-def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path):
+def test_nvimgcodec_decodes_a_region_as_the_cpu_decoder_cuts_it():
+    """Region decoding (data.decode=nvimgcodec, its CPU backend here) gives the whole image's pixels in the box,
+    bit for bit, wherever the box starts and ends against the 16 x 16 blocks of 4:2:0 chroma."""
+    from src.data.decode import NvImageCodec
+
+    rng = np.random.default_rng(3)
+    codec = NvImageCodec(CPU)
+    for h, w in [(37, 53), (64, 48), (100, 75)]:
+        data = encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "jpeg")
+        whole = decode_cpu(as_tensor(data), "x")
+        stream = codec.stream(data)
+        assert (stream.height, stream.width) == (h, w)
+        boxes = [(0, 0, h, w), (1, 3, h - 2, w - 5), (7, 9, 17, 19), (h - 1, w - 1, 1, 1), (15, 16, 2, 31)]
+        regions = codec([codec.stream(data) for _ in boxes], boxes)
+        for (top, left, bh, bw), region in zip(boxes, regions):
+            assert torch.equal(region, whole[:, top : top + bh, left : left + bw]), (h, w, top, left, bh, bw)
+    assert codec.stream(b"\xff\xd8 not a jpeg") is None or codec([codec.stream(b"\xff\xd8 not a jpeg")]) == [None]
+
+
+def test_nvimgcodec_workers_decode_only_the_training_crops_regions(tmp_path):
+    """The JPEGs' regions go to nvImageCodec with their training crops' boxes, drawn from the sizes in their
+    headers; the other formats are decoded on the CPU and cut; evaluation decodes whole images."""
+    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(6, 3))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=nvimgcodec")
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    asked = []
+
+    class Recording:
+        def __init__(self, codec):
+            self.codec = codec
+
+        def stream(self, data):
+            return self.codec.stream(data)
+
+        def __call__(self, streams, boxes=None):
+            asked.append(boxes)
+            return self.codec(streams, boxes)
+
+    from src.data.decode import NvImageCodec
+
+    loader.fetch.codec = Recording(NvImageCodec(CPU))
+    ids = torch.arange(8)
+    shapes = [tuple(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.train.files.read(ids)]
+    boxes, _ = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
+    loader.fetch.__getitems__(("train", 3, ids.numpy(), False))
+    jpegs = [k for k in range(8) if data.train.files.name(k).endswith(".jpg")]
+    assert len(jpegs) == 4 and asked == [[boxes[k].tolist() for k in jpegs]]
+    loader.fetch.__getitems__(("test", None, np.arange(4), False))
+    assert asked[1] is None
+
+
+def test_nvimgcodec_not_installed_is_one_line(tmp_path, monkeypatch):
+    import nvidia
+
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # what an environment without it imports
+    monkeypatch.delattr(nvidia, "nvimgcodec", raising=False)
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    with pytest.raises(ConfigError, match=r"^data.decode=nvimgcodec needs nvImageCodec: pip install nvidia-nvimgcodec"):
+        disk_data(tmp_path, tmp_path / "tree", "data.decode=nvimgcodec")
+
+
+@pytest.mark.parametrize("device_decoder", ["gpu", "nvimgcodec"])
+def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path, device_decoder):
     """PNG, CMYK, grayscale and progressive files fall back to the CPU decoder inside the device path: the batches
-    equal the CPU path's, bit for bit (on the CPU the device decoder is libjpeg too)."""
+    equal the CPU path's, bit for bit (on the CPU the device decoder is libjpeg too). nvimgcodec decodes only
+    each training crop's region, and gives the same batches."""
     write_tree(tmp_path / "tree", kinds=("jpeg", "png", "cmyk", "gray", "progressive"), per_class=(10, 5))
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
-    for gpu, cpu in zip(batches(data, cfg, steps, 2, "gpu"), batches(data, cfg, steps, 2, "cpu")):
+    on_device, in_workers = batches(data, cfg, steps, 2, device_decoder), batches(data, cfg, steps, 2, "cpu")
+    assert len(on_device) == len(in_workers) == len(steps)
+    for gpu, cpu in zip(on_device, in_workers):
         assert torch.equal(gpu[0], cpu[0]) and torch.equal(gpu[1], cpu[1])
-    gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in ("gpu", "cpu"))
+    gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in (device_decoder, "cpu"))
     assert len(gpu) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(gpu, cpu))
     assert gpu[0][0].dtype == torch.float32 and gpu[0][0].shape == (4, 3, 16, 16)
 
@@ -350,7 +416,7 @@ def test_crops_handed_to_the_training_process_mid_epoch_give_the_same_batches(tm
         assert torch.equal(x, b.x) and torch.equal(y, b.y)
 
 
-@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+@pytest.mark.parametrize("decode", ["cpu", "gpu", "nvimgcodec"])
 def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crops_region(tmp_path, decode):
     """Workers that do not crop send, for training, each image cut to its crop's box (drawn from the whole image's
     size) and the flips, so about a crop's bytes cross, not a whole image's; for evaluation, whole images."""
@@ -620,7 +686,7 @@ def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path)
         loader.close()
 
 
-@pytest.mark.parametrize("decode", ["gpu", "split"])
+@pytest.mark.parametrize("decode", ["gpu", "split", "nvimgcodec"])
 def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path, decode):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
@@ -642,13 +708,14 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
     bad.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"\xff\xd8 not a jpeg")
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
-    for decode in ("gpu", "cpu"):
+    for decode in ("gpu", "nvimgcodec", "cpu"):
         with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
             batches(data, cfg, steps, 0, decode)
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
     with caplog.at_level(logging.WARNING, logger="src.data.finish"):
         ((x, y),) = batches(data, cfg, steps, 0, "gpu")
-    assert len(x) == len(y) == 7
+        ((x2, y2),) = batches(data, cfg, steps, 0, "nvimgcodec")
+    assert len(x) == len(y) == 7 and torch.equal(x, x2) and torch.equal(y, y2)
     assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
 
 
@@ -781,14 +848,17 @@ def test_a_resumed_epoch_crops_each_sample_the_same_way(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["gpu", "nvimgcodec"])
 @pytest.mark.parametrize("kinds", [("jpeg",), ("jpeg", "png", "cmyk", "gray", "progressive")])
-def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds):
+def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds, decode):
+    """nvjpeg (data.decode=gpu), or nvImageCodec decoding each training crop's region only (on the hardware JPEG
+    engine where the GPU has one), gives the CPU path's batches within a few levels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     write_tree(tmp_path / "tree", kinds=kinds, per_class=(10, 5), smooth=True)
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
-    cuda = batches(data, cfg, steps, 2, "gpu", device=torch.device("cuda"))
+    cuda = batches(data, cfg, steps, 2, decode, device=torch.device("cuda"))
     cpu = batches(data, cfg, steps, 2, "cpu")
     elsewhere = batches(data, cfg, steps, 3, "cpu")  # the same images cropped as in another epoch
     std = torch.tensor(data.std).view(1, 3, 1, 1)
