@@ -97,7 +97,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
     the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
     CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU), or N workers
-    decoding only the crops' regions through nvImageCodec (`nvimgcodec<N>`); shard tags start with `shards-`."""
+    that send the JPEGs' bytes and crops for the training process to decode their regions only through
+    nvImageCodec (`nvimgcodec<N>`); shard tags start with `shards-`."""
     workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host
     if not args.decode:
         return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [
@@ -733,7 +734,8 @@ def main() -> int:
         help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the "
         "workers crop too), cpudecode (the workers only decode and cut the crops' regions, the GPU resizes them) "
         "split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...) and/or "
-        "nvimgcodec (the workers decode only the crops' regions on the GPU, through nvImageCodec), e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: the loader alone)",
+        "nvimgcodec (the training process decodes only the crops' regions through nvImageCodec), e.g. gpu,cpu "
+        "(with --data-root and/or --shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=positive, default=50, help="timed batches of a loader-* run (default 50)")

@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from src.config.errors import ConfigError
 from src.data.augment import Augmentation, DiskCrops, EpochDraws, to_device, trivial_augment
 from src.data.datasets import DataBundle
-from src.data.decode import EncodedImages, NvImageCodec, as_tensor, decode_batch, decode_cpu, gpu_decodable
+from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable, jpeg_size
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
 SPLITS = ("train", "val", "test")
@@ -30,7 +31,8 @@ class Fetched(NamedTuple):
     """What a worker ships: uint8 images (augmented as far as the worker goes) and what the device needs to
     finish them: labels, sample ids, crop_flip draws (in-memory data: for the cutout), one line per image skipped
     as unreadable. With `shapes` (B x 3), x holds decoded images of those shapes back to back, not yet cropped;
-    with `flips` too, each is the region of its training crop, still to be resized (and mirrored where flips)."""
+    with `flips` too, each is the region of its training crop, still to be resized (and mirrored where flips).
+    With `encoded`, the images whose `lengths` are not 0 are JPEGs still to be decoded (`boxes`: their regions)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -39,6 +41,9 @@ class Fetched(NamedTuple):
     skipped: tuple[str, ...] = ()
     shapes: torch.Tensor | None = None
     flips: torch.Tensor | None = None
+    encoded: torch.Tensor | None = None  # data.decode=nvimgcodec: the JPEGs' bytes, back to back
+    lengths: torch.Tensor | None = None  # and each image's byte count (0: its pixels are in x)
+    boxes: torch.Tensor | None = None  # B x 4 (top, left, height, width): the region of each JPEG to decode
 
 
 def _asked(request) -> tuple[str, int | None, torch.Tensor]:
@@ -114,7 +119,8 @@ class DiskFetch(torch.utils.data.Dataset):
     region only). On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each image's
     colour conversion, which behind the step's kernels in one context is ~25x slower; cropping in these workers too
     slowed both them and the step, so the training process crops. With `nvimgcodec` (data.decode=nvimgcodec) the
-    JPEGs' headers are read first and only each training crop's region is decoded (src/data/decode.py)."""
+    workers use no GPU: they read each JPEG's size from its header, draw its crop and send the bytes; the training
+    process decodes that region only, in its own CUDA context (src/data/finish.py)."""
 
     def __init__(
         self,
@@ -127,10 +133,6 @@ class DiskFetch(torch.utils.data.Dataset):
     ):
         self.splits, self.crops, self.device, self.skip = {k: getattr(data, k) for k in SPLITS}, crops, device, skip
         self.trivial, self.nvimgcodec = trivial, nvimgcodec
-        self.codec: NvImageCodec | None = None  # made in the worker that uses it
-
-    def __getstate__(self):  # a worker makes its own decoder
-        return {**self.__dict__, "codec": None}
 
     def __len__(self):
         return len(self.splits["train"])
@@ -139,27 +141,25 @@ class DiskFetch(torch.utils.data.Dataset):
         split, epoch, ids = _asked(request)
         crop_here = request[3]  # the training process's choice, which data.crop=auto may change mid-run
         files, labels = self.splits[split].files, self.splits[split].labels
-        flips = None  # where given, `images` are already their training crops' regions
+        if self.nvimgcodec:
+            return self._ship_encoded(files, labels, ids, epoch)
         if self.device is None:
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
             )
-        elif self.nvimgcodec:
-            kept, images, flips, skipped = self._decode_regions(files, ids, epoch)
         else:
             kept, images, skipped = self._decode_on_device(files, ids)
         ids = ids[kept]
         if not images:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
             return Fetched(torch.empty(0, dtype=torch.uint8), labels[ids], ids, skipped=tuple(skipped))
         if crop_here:
-            x = self.crops(images, ids, epoch) if flips is None else self.crops.resize(images, flips)
+            x = self.crops(images, ids, epoch)
             if self.trivial and split == "train" and epoch is not None:
                 x = trivial_augment(x, self.crops.seed, epoch, ids)
             return Fetched(x, labels[ids], ids, skipped=tuple(skipped))
         # a training crop's region only, not the whole image: about the crop's bytes cross to the training process
-        if flips is None:
-            cut = self.crops.regions(images, ids, epoch)
-            images, flips = cut if cut else (images, None)
+        cut = self.crops.regions(images, ids, epoch)
+        images, flips = cut if cut else (images, None)
         packed = torch.cat([image.reshape(-1) for image in images])  # not yet resized, back to back
         if packed.is_cuda:  # the training process reads it as soon as it arrives
             torch.cuda.current_stream(packed.device).synchronize()
@@ -167,54 +167,45 @@ class DiskFetch(torch.utils.data.Dataset):
         flips = None if flips is None else torch.from_numpy(flips)
         return Fetched(packed, labels[ids], ids, skipped=tuple(skipped), shapes=shapes, flips=flips)
 
-    def _on_device(self) -> None:
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # the rank's GPU (a worker starts on the first)
+    def _ship_encoded(self, files: EncodedImages, labels: torch.Tensor, ids: torch.Tensor, epoch: int | None):
+        """data.decode=nvimgcodec: each JPEG's size is read from its header and its training crop drawn from it;
+        its bytes and box go to the training process, which decodes that region only (src/data/finish.py).
+        Images the device decoder does not take are decoded here and cut. Evaluation: whole images."""
 
-    def _decode_regions(self, files: EncodedImages, ids: torch.Tensor, epoch: int | None):
-        """data.decode=nvimgcodec: (kept positions, images, flips, skipped lines). Each JPEG's size is read from its
-        header, its training crop drawn from it and only that region decoded (flips None: whole images, for the
-        centre crops of evaluation). Images nvImageCodec does not take are decoded on the CPU, then cut."""
-        self._on_device()
-        if self.codec is None:
-            self.codec = NvImageCodec(self.device)
-        codec = self.codec
+        def size_or_decoded(data, i):
+            size = jpeg_size(data)
+            return (as_tensor(data), size) if size else decode_cpu(as_tensor(data), files.name(i))
 
-        def header_or_decoded(data, i):
-            stream = codec.stream(data) if gpu_decodable(data) else None
-            return (data, stream) if stream is not None else decode_cpu(as_tensor(data), files.name(i))
-
-        kept, items, skipped = _read_or_skip(files, ids, self.skip, header_or_decoded)
-        sizes = [(item[1].height, item[1].width) if isinstance(item, tuple) else item.shape[1:] for item in items]
-        drawn = self.crops.boxes(ids[kept], epoch, [h for h, _ in sizes], [w for _, w in sizes])
-        boxes, flips = (None, None) if drawn is None else (drawn[0].tolist(), drawn[1])
-        coded = [k for k, item in enumerate(items) if isinstance(item, tuple)]
-        decoded = codec([items[k][1] for k in coded], None if boxes is None else [boxes[k] for k in coded])
-        for k, image in zip(coded, decoded):
-            items[k] = image if image is not None else items[k][0]
-        by_codec = {k for k, image in zip(coded, decoded) if image is not None}
-        images, keep = [], []
-        for k, item in enumerate(items):
-            if isinstance(item, (bytes, bytearray, memoryview)):  # no backend decoded it: the CPU names why
-                try:
-                    item = decode_cpu(as_tensor(item), files.name(int(ids[kept[k]])))
-                except ConfigError as exc:
-                    if not self.skip:
-                        raise
-                    skipped.append(str(exc))
-                    continue
-            if k not in by_codec:  # decoded on the CPU: cut, then moved
-                if boxes is not None:
-                    top, left, h, w = boxes[k]
-                    item = item[:, top : top + h, left : left + w].contiguous()
-                item = to_device(item, self.device)
-            images.append(item)
-            keep.append(k)
-        flips = None if flips is None else flips[keep]
-        return [kept[k] for k in keep], images, flips, skipped
+        kept, items, skipped = _read_or_skip(files, ids, self.skip, size_or_decoded)
+        ids = ids[kept]
+        if not items:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
+            return Fetched(torch.empty(0, dtype=torch.uint8), labels[ids], ids, skipped=tuple(skipped))
+        sizes = [item[1] if isinstance(item, tuple) else tuple(item.shape[1:]) for item in items]
+        drawn = self.crops.boxes(ids, epoch, [h for h, _ in sizes], [w for _, w in sizes])
+        boxes = np.array([(0, 0, h, w) for h, w in sizes], dtype=np.int64) if drawn is None else drawn[0]
+        pixels, jpegs, lengths = [], [], []
+        for item, (top, left, h, w) in zip(items, boxes.tolist()):
+            if isinstance(item, tuple):
+                jpegs.append(item[0])
+                lengths.append(len(item[0]))
+            else:
+                pixels.append(item[:, top : top + h, left : left + w].reshape(-1))
+                lengths.append(0)
+        return Fetched(
+            torch.cat(pixels) if pixels else torch.empty(0, dtype=torch.uint8),
+            labels[ids],
+            ids,
+            skipped=tuple(skipped),
+            shapes=torch.tensor([(3, h, w) for _, _, h, w in boxes.tolist()]),
+            flips=None if drawn is None else torch.from_numpy(drawn[1]),
+            encoded=torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8),
+            lengths=torch.tensor(lengths),
+            boxes=None if drawn is None else torch.from_numpy(boxes),
+        )
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
-        self._on_device()
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # the rank's GPU (a worker starts on the first)
 
         def encoded_or_decoded(data, i):
             return as_tensor(data) if gpu_decodable(data) else decode_cpu(as_tensor(data), files.name(i))

@@ -142,9 +142,9 @@ def resolve_plan(
     workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
     # workers that may crop on the CPU, feeding a GPU that may crop faster: measured in the first epoch
     measured = decode == "cpu" and options.crop == "auto" and device.type == "cuda" and workers > 0 and not trivial
-    if on_gpu and device.type == "cuda" and not workers:
+    if decode == "gpu" and device.type == "cuda" and not workers:
         log.warning(
-            f"data.decode={decode} with data.num_workers=0 decodes in the training process, where nvjpeg waits "
+            "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
             "behind the step's kernels (~25x slower on an H100); set data.num_workers=3"
         )
     return LoaderPlan(

@@ -102,8 +102,8 @@ class WorkerLoader:
         skip_bad_images: bool = False,
     ):
         self.plan, self.augmentation, self.device, self.seed = plan, augmentation, augmentation.device, seed
-        self.finish = DeviceFinish(data, augmentation, seed, crops)
-        cuda, gpu_decoding = self.device.type == "cuda", plan.decode in ("gpu", "nvimgcodec")
+        self.finish = DeviceFinish(data, augmentation, seed, crops, skip_bad_images)
+        cuda, gpu_decoding = self.device.type == "cuda", plan.decode == "gpu"
         if plan.decode:
             on_gpu = self.device if gpu_decoding else None
             trivial, nvimgcodec = augmentation.recipe.trivial, plan.decode == "nvimgcodec"

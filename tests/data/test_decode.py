@@ -22,7 +22,7 @@ from torchvision.transforms.v2 import functional as TF
 from src.config.errors import ConfigError
 from src.data.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.data.datasets import load_data
-from src.data.decode import as_tensor, decode_cpu, gpu_decodable
+from src.data.decode import as_tensor, decode_cpu, gpu_decodable, jpeg_size
 from src.data.epoch import plan_epoch
 from src.data.fetch import gpu_decoded
 from src.data.loader_plan import cpus_of_this_process, resolve_workers
@@ -279,7 +279,8 @@ def test_what_the_device_decoder_gets_and_the_cpu_fallback():
 
 def test_nvimgcodec_decodes_a_region_as_the_cpu_decoder_cuts_it():
     """Region decoding (data.decode=nvimgcodec, its CPU backend here) gives the whole image's pixels in the box,
-    bit for bit, wherever the box starts and ends against the 16 x 16 blocks of 4:2:0 chroma."""
+    bit for bit, wherever the box starts and ends against the 16 x 16 blocks of 4:2:0 chroma; the size comes from
+    the header alone. Its reused buffers give the same pixels batch after batch."""
     from src.data.decode import NvImageCodec
 
     rng = np.random.default_rng(3)
@@ -287,45 +288,70 @@ def test_nvimgcodec_decodes_a_region_as_the_cpu_decoder_cuts_it():
     for h, w in [(37, 53), (64, 48), (100, 75)]:
         data = encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "jpeg")
         whole = decode_cpu(as_tensor(data), "x")
-        stream = codec.stream(data)
-        assert (stream.height, stream.width) == (h, w)
+        assert jpeg_size(data) == (h, w)
         boxes = [(0, 0, h, w), (1, 3, h - 2, w - 5), (7, 9, 17, 19), (h - 1, w - 1, 1, 1), (15, 16, 2, 31)]
-        regions = codec([codec.stream(data) for _ in boxes], boxes)
-        for (top, left, bh, bw), region in zip(boxes, regions):
-            assert torch.equal(region, whole[:, top : top + bh, left : left + bw]), (h, w, top, left, bh, bw)
-    assert codec.stream(b"\xff\xd8 not a jpeg") is None or codec([codec.stream(b"\xff\xd8 not a jpeg")]) == [None]
+        for _ in range(2):
+            regions = [region.clone() for region in codec([as_tensor(data)] * len(boxes), boxes)]
+            for (top, left, bh, bw), region in zip(boxes, regions):
+                assert torch.equal(region, whole[:, top : top + bh, left : left + bw]), (h, w, top, left, bh, bw)
+    assert codec([as_tensor(b"\xff\xd8 not a jpeg")]) == [None]
 
 
-def test_nvimgcodec_workers_decode_only_the_training_crops_regions(tmp_path):
-    """The JPEGs' regions go to nvImageCodec with their training crops' boxes, drawn from the sizes in their
-    headers; the other formats are decoded on the CPU and cut; evaluation decodes whole images."""
+def test_nvimgcodec_workers_send_the_jpegs_bytes_and_their_training_crops(tmp_path):
+    """The workers use no GPU: for each JPEG they send its bytes and its training crop's box, drawn from the size
+    in its header; the other formats they decode and cut; for evaluation, whole images."""
     write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(6, 3))
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=nvimgcodec")
     loader = build_loader(data, cfg.data, CPU, False, seed=7)
-    asked = []
-
-    class Recording:
-        def __init__(self, codec):
-            self.codec = codec
-
-        def stream(self, data):
-            return self.codec.stream(data)
-
-        def __call__(self, streams, boxes=None):
-            asked.append(boxes)
-            return self.codec(streams, boxes)
-
-    from src.data.decode import NvImageCodec
-
-    loader.fetch.codec = Recording(NvImageCodec(CPU))
     ids = torch.arange(8)
-    shapes = [tuple(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.train.files.read(ids)]
-    boxes, _ = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
-    loader.fetch.__getitems__(("train", 3, ids.numpy(), False))
-    jpegs = [k for k in range(8) if data.train.files.name(k).endswith(".jpg")]
-    assert len(jpegs) == 4 and asked == [[boxes[k].tolist() for k in jpegs]]
-    loader.fetch.__getitems__(("test", None, np.arange(4), False))
-    assert asked[1] is None
+    files = data.train.files.read(ids)
+    images = [decode_cpu(as_tensor(b), "") for b in files]
+    shapes = [tuple(image.shape[1:]) for image in images]
+    boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
+    sent = loader.fetch.__getitems__(("train", 3, ids.numpy(), False))
+    jpeg = [data.train.files.name(k).endswith(".jpg") for k in range(8)]
+    assert sum(jpeg) == 4 and sent.lengths.tolist() == [len(f) if j else 0 for f, j in zip(files, jpeg)]
+    assert bytes(sent.encoded.numpy()) == b"".join(f for f, j in zip(files, jpeg) if j)
+    assert torch.equal(sent.boxes, torch.from_numpy(boxes)) and torch.equal(sent.flips, torch.from_numpy(flips))
+    assert sent.shapes.tolist() == [[3, h, w] for _, _, h, w in boxes.tolist()]
+    cut = [image[:, y : y + h, x : x + w].reshape(-1) for image, (y, x, h, w) in zip(images, boxes.tolist())]
+    assert torch.equal(sent.x, torch.cat([c for c, j in zip(cut, jpeg) if not j]))
+    sent = loader.fetch.__getitems__(("test", None, np.arange(4), False))
+    assert sent.flips is None and sent.boxes is None
+    assert sent.shapes[:, 1:].tolist() == [
+        list(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.test.files.read(range(4))
+    ]
+
+
+def without_quantization_tables(jpeg: bytes) -> bytes:
+    """A JPEG whose header reads as one the device decoder takes, but that no decoder can decode: its DQT segments
+    are left out."""
+    out, pos = bytearray(jpeg[:2]), 2
+    while jpeg[pos + 1] != 0xDA:
+        length = (jpeg[pos + 2] << 8) | jpeg[pos + 3]
+        if jpeg[pos + 1] != 0xDB:
+            out += jpeg[pos : pos + 2 + length]
+        pos += 2 + length
+    return bytes(out + jpeg[pos:])
+
+
+def test_a_jpeg_nvimgcodec_cannot_decode_is_named_in_one_line_or_skipped(tmp_path, caplog):
+    """Its header is read as any other, so the training process finds it bad: the CPU decoder then names it, or
+    with data.skip_bad_images the batch goes on without it, its label and flip left out with it."""
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    bad = tmp_path / "tree/train/b/2.jpg"
+    bad.write_bytes(without_quantization_tables(bad.read_bytes()))
+    assert gpu_decodable(bad.read_bytes())
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
+    with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
+        batches(data, cfg, steps, 0, "nvimgcodec")
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
+    with caplog.at_level(logging.WARNING, logger="src.data.finish"):
+        ((x, y),) = batches(data, cfg, steps, 0, "nvimgcodec")
+    ((ref_x, ref_y),) = batches(data, cfg, steps, 0, "cpu")
+    assert len(x) == 7 and torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
 
 
 def test_nvimgcodec_not_installed_is_one_line(tmp_path, monkeypatch):
@@ -416,7 +442,7 @@ def test_crops_handed_to_the_training_process_mid_epoch_give_the_same_batches(tm
         assert torch.equal(x, b.x) and torch.equal(y, b.y)
 
 
-@pytest.mark.parametrize("decode", ["cpu", "gpu", "nvimgcodec"])
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
 def test_workers_that_leave_the_crops_to_the_device_send_only_each_training_crops_region(tmp_path, decode):
     """Workers that do not crop send, for training, each image cut to its crop's box (drawn from the whole image's
     size) and the flips, so about a crop's bytes cross, not a whole image's; for evaluation, whole images."""
