@@ -86,7 +86,6 @@ DECODES = {
     "cpu": ("classic", ["data.decode=cpu", "data.crop=workers"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
     "split": ("split", ["data.decode=split"]),
-    "nvimgcodec": ("nvimgcodec", ["data.decode=nvimgcodec"]),  # each crop's region only, hardware JPEG engine
 }
 
 
@@ -96,9 +95,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
     the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
-    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU), or N workers
-    that send the JPEGs' bytes and crops for the training process to decode their regions only through
-    nvImageCodec (`nvimgcodec<N>`); shard tags start with `shards-`."""
+    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU); shard tags
+    start with `shards-`."""
     workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host
     if not args.decode:
         return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [
@@ -733,9 +731,8 @@ def main() -> int:
         "--decode",
         help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the "
         "workers crop too), cpudecode (the workers only decode and cut the crops' regions, the GPU resizes them) "
-        "split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...) and/or "
-        "nvimgcodec (the training process decodes only the crops' regions through nvImageCodec), e.g. gpu,cpu "
-        "(with --data-root and/or --shards; adds loader-* runs: the loader alone)",
+        "and/or split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...), "
+        "e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
     p.add_argument("--loader-steps", type=positive, default=50, help="timed batches of a loader-* run (default 50)")

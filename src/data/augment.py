@@ -396,19 +396,12 @@ class DiskCrops:
     def regions(self, images: list[torch.Tensor], ids: torch.Tensor, epoch: int | None) -> tuple | None:
         """(each image cut to its random resized crop's box, as a view; whether each is mirrored): what `resize`
         finishes. None where the crop is the centre's (evaluation, the other augmentations)."""
-        drawn = self.boxes(ids, epoch, [image.shape[1] for image in images], [image.shape[2] for image in images])
-        if drawn is None:
-            return None
-        boxes, flips = drawn
-        cut = [image[:, top : top + h, left : left + w] for image, (top, left, h, w) in zip(images, boxes.tolist())]
-        return cut, flips
-
-    def boxes(self, ids: torch.Tensor, epoch: int | None, heights, widths) -> tuple | None:
-        """(boxes B x 4 (top, left, height, width), flips) of the training crops of images of these sizes, known
-        before they are decoded; None where the crop is the centre's."""
         if epoch is None or not self.random:
             return None
-        return rrc_params(self.seed, epoch, ids.numpy(), heights, widths, self.scale, self.ratio)
+        heights, widths = ([image.shape[d] for image in images] for d in (1, 2))
+        boxes, flips = rrc_params(self.seed, epoch, ids.numpy(), heights, widths, self.scale, self.ratio)
+        cut = [image[:, top : top + h, left : left + w] for image, (top, left, h, w) in zip(images, boxes.tolist())]
+        return cut, flips
 
     def resize(self, regions: list[torch.Tensor], flips: np.ndarray) -> torch.Tensor:
         """uint8 B x C x size: each region (`regions`) resized whole, mirrored where flips[k]."""

@@ -42,19 +42,14 @@ def unreadable(name: str, exc: Exception) -> ConfigError:
 def gpu_decodable(data) -> bool:
     """Whether the device decoder takes this image: a complete 8-bit sequential JPEG with 3 YCbCr components
     in a common subsampling, read from its header (a few hundred bytes) without decoding."""
-    return jpeg_size(data) is not None
-
-
-def jpeg_size(data) -> tuple[int, int] | None:
-    """(height, width) of an image the device decoder takes (`gpu_decodable`), from its header; else None."""
     data = memoryview(data).cast("B")
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[n - 2] != 0xFF or data[n - 1] != 0xD9:
-        return None  # not a JPEG, or truncated (no end marker): the CPU decoder names what is wrong
-    pos, frame = 2, None
+        return False  # not a JPEG, or truncated (no end marker): the CPU decoder names what is wrong
+    pos, frame = 2, False
     while pos + 4 <= n:
         if data[pos] != 0xFF:
-            return None
+            return False
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -65,22 +60,20 @@ def jpeg_size(data) -> tuple[int, int] | None:
         length = (data[pos + 2] << 8) | data[pos + 3]
         segment = data[pos + 4 : pos + 2 + length]
         if marker in _OTHER_FRAMES:
-            return None
+            return False
         if marker in _SEQUENTIAL:
             if len(segment) < 15 or segment[0] != 8 or segment[5] != 3:  # precision, component count
-                return None
+                return False
             sampling = [(segment[7 + 3 * k] >> 4, segment[7 + 3 * k] & 15) for k in range(3)]
             if sampling[0] not in _SUBSAMPLINGS or sampling[1] != (1, 1) or sampling[2] != (1, 1):
-                return None
-            frame = ((segment[1] << 8) | segment[2], (segment[3] << 8) | segment[4])
-            if 0 in frame:  # a height given later (DNL marker): left to the CPU decoder
-                return None
+                return False
+            frame = True
         if marker == 0xEE and bytes(segment[:5]) == b"Adobe" and len(segment) >= 12 and segment[11] == 0:
-            return None  # Adobe's "no colour transform": RGB stored as is, not YCbCr
+            return False  # Adobe's "no colour transform": RGB stored as is, not YCbCr
         if marker == 0xDA:  # start of scan: the header is over
             return frame
         pos += 2 + length
-    return None
+    return False
 
 
 def to_rgb(img):
@@ -214,60 +207,3 @@ class FileImages(EncodedImages):
             except OSError as exc:  # missing, a broken symlink, unreadable
                 out.append(unreadable(self._name(row), exc))
         return out
-
-
-def nvimgcodec_missing() -> str | None:
-    """Why data.decode=nvimgcodec cannot run here (one line saying what to install), or None."""
-    try:
-        from nvidia import nvimgcodec  # noqa: F401
-    except ImportError:
-        return "data.decode=nvimgcodec needs nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
-    return None
-
-
-class NvImageCodec:
-    """JPEGs decoded through nvImageCodec (data.decode=nvimgcodec), each whole or only a region of it, in the
-    training process (src/data/finish.py). On CUDA its backends are tried in order, and the first that takes an
-    image decodes it: the GPU's hardware JPEG engine (A100, H100 and later), else nvjpeg with Huffman decoding on
-    the GPU, else on the CPU. Which one decodes an image depends on the image alone, never on the batch around
-    it. On a CPU device: libjpeg-turbo. Decoded images are written into buffers kept from one batch to the next."""
-
-    def __init__(self, device: torch.device):
-        from nvidia import nvimgcodec as nv
-
-        self.nv, self.device = nv, device
-        if device.type == "cuda":
-            kinds = (nv.HW_GPU_ONLY, nv.GPU_ONLY, nv.HYBRID_CPU_GPU)
-            index = torch.cuda.current_device() if device.index is None else device.index
-            self.decoder = nv.Decoder(device_id=index, backends=[nv.Backend(kind) for kind in kinds])
-        else:
-            self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
-        # torchvision's decoders ignore EXIF orientation too: the same pixels whichever decodes
-        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.SRGB, allow_any_depth=False)
-        self.buffers: list = []  # nvImageCodec images, reused: no allocation per batch once they are large enough
-
-    def __call__(self, datas: list, boxes: list | None = None, stream: int = 0) -> list:
-        """uint8 3 x h x w per JPEG (boxes[k] = (top, left, height, width): that region only), or None where no
-        backend decodes it (a damaged file: the CPU decoder then names what is wrong). The results are views of
-        the reused buffers: valid until the next call, which writes them on CUDA stream `stream` (an int handle)."""
-        region = self.nv.Region
-        streams = []
-        for k, data in enumerate(datas):
-            code = self.nv.CodeStream(data.numpy().tobytes() if isinstance(data, torch.Tensor) else bytes(data))
-            if boxes is not None:
-                top, left, h, w = boxes[k]
-                code = code.get_sub_code_stream(region=region(top, left, top + h, left + w))
-            streams.append(code)
-        while len(self.buffers) < len(streams):
-            self.buffers.append(None)
-        reuse = self.buffers[: len(streams)]
-        try:
-            images = self.decoder.decode(
-                streams, images=reuse if None not in reuse else None, params=self.params, cuda_stream=stream
-            )
-        except RuntimeError:
-            images = [None] * len(streams)
-        self.buffers[: len(images)] = [new or old for new, old in zip(images, reuse)]
-        cuda = self.device.type == "cuda"
-        tensor = torch.from_dlpack if cuda else lambda image: torch.from_numpy(np.asarray(image))
-        return [None if image is None else tensor(image).permute(2, 0, 1) for image in images]

@@ -13,13 +13,12 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from src.config.errors import ConfigError
 from src.data.augment import Augmentation, DiskCrops, EpochDraws, to_device, trivial_augment
 from src.data.datasets import DataBundle
-from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable, jpeg_size
+from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
 SPLITS = ("train", "val", "test")
@@ -31,8 +30,7 @@ class Fetched(NamedTuple):
     """What a worker ships: uint8 images (augmented as far as the worker goes) and what the device needs to
     finish them: labels, sample ids, crop_flip draws (in-memory data: for the cutout), one line per image skipped
     as unreadable. With `shapes` (B x 3), x holds decoded images of those shapes back to back, not yet cropped;
-    with `flips` too, each is the region of its training crop, still to be resized (and mirrored where flips).
-    With `encoded`, the images whose `lengths` are not 0 are JPEGs still to be decoded (`boxes`: their regions)."""
+    with `flips` too, each is the region of its training crop, still to be resized (and mirrored where flips)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -41,9 +39,6 @@ class Fetched(NamedTuple):
     skipped: tuple[str, ...] = ()
     shapes: torch.Tensor | None = None
     flips: torch.Tensor | None = None
-    encoded: torch.Tensor | None = None  # data.decode=nvimgcodec: the JPEGs' bytes, back to back
-    lengths: torch.Tensor | None = None  # and each image's byte count (0: its pixels are in x)
-    boxes: torch.Tensor | None = None  # B x 4 (top, left, height, width): the region of each JPEG to decode
 
 
 def _asked(request) -> tuple[str, int | None, torch.Tensor]:
@@ -118,9 +113,7 @@ class DiskFetch(torch.utils.data.Dataset):
     the CPU. Uncropped images go back to back in one buffer, for the training process to crop (a training crop's
     region only). On CUDA each worker has a CUDA context of its own: nvjpeg waits on the host for each image's
     colour conversion, which behind the step's kernels in one context is ~25x slower; cropping in these workers too
-    slowed both them and the step, so the training process crops. With `nvimgcodec` (data.decode=nvimgcodec) the
-    workers use no GPU: they read each JPEG's size from its header, draw its crop and send the bytes; the training
-    process decodes that region only, in its own CUDA context (src/data/finish.py)."""
+    slowed both them and the step, so the training process crops."""
 
     def __init__(
         self,
@@ -129,10 +122,9 @@ class DiskFetch(torch.utils.data.Dataset):
         device: torch.device | None,
         skip: bool,
         trivial: bool = False,
-        nvimgcodec: bool = False,
     ):
         self.splits, self.crops, self.device, self.skip = {k: getattr(data, k) for k in SPLITS}, crops, device, skip
-        self.trivial, self.nvimgcodec = trivial, nvimgcodec
+        self.trivial = trivial
 
     def __len__(self):
         return len(self.splits["train"])
@@ -141,8 +133,6 @@ class DiskFetch(torch.utils.data.Dataset):
         split, epoch, ids = _asked(request)
         crop_here = request[3]  # the training process's choice, which data.crop=auto may change mid-run
         files, labels = self.splits[split].files, self.splits[split].labels
-        if self.nvimgcodec:
-            return self._ship_encoded(files, labels, ids, epoch)
         if self.device is None:
             kept, images, skipped = _read_or_skip(
                 files, ids, self.skip, lambda data, i: decode_cpu(as_tensor(data), files.name(i))
@@ -166,42 +156,6 @@ class DiskFetch(torch.utils.data.Dataset):
         shapes = torch.tensor([tuple(image.shape) for image in images])
         flips = None if flips is None else torch.from_numpy(flips)
         return Fetched(packed, labels[ids], ids, skipped=tuple(skipped), shapes=shapes, flips=flips)
-
-    def _ship_encoded(self, files: EncodedImages, labels: torch.Tensor, ids: torch.Tensor, epoch: int | None):
-        """data.decode=nvimgcodec: each JPEG's size is read from its header and its training crop drawn from it;
-        its bytes and box go to the training process, which decodes that region only (src/data/finish.py).
-        Images the device decoder does not take are decoded here and cut. Evaluation: whole images."""
-
-        def size_or_decoded(data, i):
-            size = jpeg_size(data)
-            return (as_tensor(data), size) if size else decode_cpu(as_tensor(data), files.name(i))
-
-        kept, items, skipped = _read_or_skip(files, ids, self.skip, size_or_decoded)
-        ids = ids[kept]
-        if not items:  # every image skipped (data.skip_bad_images): the training process checks the whole batch
-            return Fetched(torch.empty(0, dtype=torch.uint8), labels[ids], ids, skipped=tuple(skipped))
-        sizes = [item[1] if isinstance(item, tuple) else tuple(item.shape[1:]) for item in items]
-        drawn = self.crops.boxes(ids, epoch, [h for h, _ in sizes], [w for _, w in sizes])
-        boxes = np.array([(0, 0, h, w) for h, w in sizes], dtype=np.int64) if drawn is None else drawn[0]
-        pixels, jpegs, lengths = [], [], []
-        for item, (top, left, h, w) in zip(items, boxes.tolist()):
-            if isinstance(item, tuple):
-                jpegs.append(item[0])
-                lengths.append(len(item[0]))
-            else:
-                pixels.append(item[:, top : top + h, left : left + w].reshape(-1))
-                lengths.append(0)
-        return Fetched(
-            torch.cat(pixels) if pixels else torch.empty(0, dtype=torch.uint8),
-            labels[ids],
-            ids,
-            skipped=tuple(skipped),
-            shapes=torch.tensor([(3, h, w) for _, _, h, w in boxes.tolist()]),
-            flips=None if drawn is None else torch.from_numpy(drawn[1]),
-            encoded=torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8),
-            lengths=torch.tensor(lengths),
-            boxes=None if drawn is None else torch.from_numpy(boxes),
-        )
 
     def _decode_on_device(self, files: EncodedImages, ids: torch.Tensor) -> tuple[list, list, list[str]]:
         if self.device.type == "cuda" and self.device.index is not None:

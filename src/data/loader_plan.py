@@ -13,7 +13,6 @@ import torch
 
 from src.config.errors import ConfigError
 from src.config.schema import NonNegative, Range
-from src.data.decode import nvimgcodec_missing
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ class LoaderOptions:
 
     loader: Literal["auto", "resident", "workers"]  # resident: the dataset in device memory; workers: DataLoader
     num_workers: Literal["auto"] | Annotated[int, NonNegative]
-    decode: Literal["auto", "gpu", "cpu", "split", "nvimgcodec"] = "auto"
+    decode: Literal["auto", "gpu", "cpu", "split"] = "auto"
     gpu_share: Annotated[float, Range(0, 1, open_lo=True)] = 0.5  # decode=split: the share decoded on the GPU
     crop: Literal["auto", "workers", "device"] = "auto"
     skip_bad_images: bool = False
@@ -49,31 +48,29 @@ class LoaderOptions:
                 "data.auto_augment=trivial runs per image in the CPU workers, not in data.loader=resident; "
                 "use data.loader=workers (or auto)"
             )
-        if trivial and (self.decode in ("gpu", "split", "nvimgcodec") or self.crop == "device"):
+        if trivial and (self.decode in ("gpu", "split") or self.crop == "device"):
             raise ConfigError(
                 f"data.auto_augment=trivial runs in the CPU workers after their crops, not with "
                 f"data.decode={self.decode} data.crop={self.crop}; set data.decode=cpu (or auto) and "
                 "data.crop=workers (or auto)"
             )
-        if self.decode in ("gpu", "split", "nvimgcodec") and self.crop == "workers":
+        if self.decode in ("gpu", "split") and self.crop == "workers":
             raise ConfigError(
                 f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={self.decode}) "
                 "are cropped by the training process; use data.crop=device (or auto)"
             )
-        if self.decode == "nvimgcodec" and (missing := nvimgcodec_missing()):
-            raise ConfigError(missing)
 
 
 @dataclass(frozen=True)
 class LoaderPlan:
     """How batches are made. resident: the dataset lives in device memory and is augmented there, no workers.
     Else `workers` DataLoader processes fetch each batch; images read from disk are decoded (`decode`) on their
-    CPUs (cpu), on the GPU (gpu; nvimgcodec: only each training crop's region), or both, each batch's `gpu_share` by
-    `gpu_workers` more workers (split), and cropped by the workers or, `crop_on_device`, by the training process."""
+    CPUs (cpu), on the GPU (gpu), or both, each batch's `gpu_share` by `gpu_workers` more workers (split), and
+    cropped by the workers or, `crop_on_device`, by the training process."""
 
     resident: bool = False
     from_disk: bool = False  # each batch read (and decoded) from files
-    decode: Literal["cpu", "gpu", "split", "nvimgcodec"] | None = None  # None: the dataset gives pixels
+    decode: Literal["cpu", "gpu", "split"] | None = None  # None: the dataset gives pixels
     crop_on_device: bool = False
     workers: int = 0
     gpu_share: float = 0.0
@@ -82,8 +79,8 @@ class LoaderPlan:
 
     @property
     def name(self) -> str:
-        """What runs report (hparams `loader`): resident, workers, decode-cpu, decode-cpu-crop-device, decode-gpu,
-        decode-nvimgcodec or decode-split."""
+        """What runs report (hparams `loader`): resident, workers, decode-cpu, decode-cpu-crop-device, decode-gpu
+        or decode-split."""
         if self.resident:
             return "resident"
         if self.decode is None:
@@ -137,12 +134,12 @@ def resolve_plan(
         decode, why = auto_decode(device.type, cpu_workers, cpu_only)
         if device.type == "cuda":  # where there is a choice
             log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
-    on_gpu = decode in ("gpu", "nvimgcodec")
+    on_gpu = decode == "gpu"
     split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
     workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
     # workers that may crop on the CPU, feeding a GPU that may crop faster: measured in the first epoch
     measured = decode == "cpu" and options.crop == "auto" and device.type == "cuda" and workers > 0 and not trivial
-    if decode == "gpu" and device.type == "cuda" and not workers:
+    if on_gpu and device.type == "cuda" and not workers:
         log.warning(
             "data.decode=gpu with data.num_workers=0 decodes in the training process, where nvjpeg waits "
             "behind the step's kernels (~25x slower on an H100); set data.num_workers=3"

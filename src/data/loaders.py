@@ -102,12 +102,12 @@ class WorkerLoader:
         skip_bad_images: bool = False,
     ):
         self.plan, self.augmentation, self.device, self.seed = plan, augmentation, augmentation.device, seed
-        self.finish = DeviceFinish(data, augmentation, seed, crops, skip_bad_images)
+        self.finish = DeviceFinish(data, augmentation, seed, crops)
         cuda, gpu_decoding = self.device.type == "cuda", plan.decode == "gpu"
         if plan.decode:
             on_gpu = self.device if gpu_decoding else None
-            trivial, nvimgcodec = augmentation.recipe.trivial, plan.decode == "nvimgcodec"
-            self.fetch = DiskFetch(data, crops, on_gpu, skip_bad_images, trivial, nvimgcodec)
+            trivial = augmentation.recipe.trivial
+            self.fetch = DiskFetch(data, crops, on_gpu, skip_bad_images, trivial)
         elif data.in_memory:
             self.fetch = MemoryFetch(data, augmentation.for_workers(data), seed)
         else:

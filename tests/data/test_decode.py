@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from torchvision.transforms.v2 import functional as TF
 from src.config.errors import ConfigError
 from src.data.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.data.datasets import load_data
-from src.data.decode import as_tensor, decode_cpu, gpu_decodable, jpeg_size
+from src.data.decode import as_tensor, decode_cpu, gpu_decodable
 from src.data.epoch import plan_epoch
 from src.data.fetch import gpu_decoded
 from src.data.loader_plan import cpus_of_this_process, resolve_workers
@@ -92,7 +91,7 @@ def batches(data, cfg, steps, epoch, decode="gpu", eval_split=None, device=CPU, 
     with_decode = cfg.data.copy()
     with_decode.decode, with_decode.crop = decode, crop
     loader = build_loader(data, with_decode, device, device.type == "cuda", seed=7)
-    name = {"gpu": "decode-gpu", "split": "decode-split", "nvimgcodec": "decode-nvimgcodec"}.get(
+    name = {"gpu": "decode-gpu", "split": "decode-split"}.get(
         decode, "decode-cpu-crop-device" if crop == "device" else "decode-cpu"
     )
     assert isinstance(loader, WorkerLoader) and loader.plan.name == name
@@ -277,106 +276,15 @@ def test_what_the_device_decoder_gets_and_the_cpu_fallback():
         assert image.shape == (3, 20, 28) and torch.equal(image, pil_rgb(data)), kind
 
 
-def test_nvimgcodec_decodes_a_region_as_the_cpu_decoder_cuts_it():
-    """Region decoding (data.decode=nvimgcodec, its CPU backend here) gives the whole image's pixels in the box,
-    bit for bit, wherever the box starts and ends against the 16 x 16 blocks of 4:2:0 chroma; the size comes from
-    the header alone. Its reused buffers give the same pixels batch after batch."""
-    from src.data.decode import NvImageCodec
-
-    rng = np.random.default_rng(3)
-    codec = NvImageCodec(CPU)
-    for h, w in [(37, 53), (64, 48), (100, 75)]:
-        data = encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "jpeg")
-        whole = decode_cpu(as_tensor(data), "x")
-        assert jpeg_size(data) == (h, w)
-        boxes = [(0, 0, h, w), (1, 3, h - 2, w - 5), (7, 9, 17, 19), (h - 1, w - 1, 1, 1), (15, 16, 2, 31)]
-        for _ in range(2):
-            regions = [region.clone() for region in codec([as_tensor(data)] * len(boxes), boxes)]
-            for (top, left, bh, bw), region in zip(boxes, regions):
-                assert torch.equal(region, whole[:, top : top + bh, left : left + bw]), (h, w, top, left, bh, bw)
-    assert codec([as_tensor(b"\xff\xd8 not a jpeg")]) == [None]
-
-
-def test_nvimgcodec_workers_send_the_jpegs_bytes_and_their_training_crops(tmp_path):
-    """The workers use no GPU: for each JPEG they send its bytes and its training crop's box, drawn from the size
-    in its header; the other formats they decode and cut; for evaluation, whole images."""
-    write_tree(tmp_path / "tree", kinds=("jpeg", "png"), per_class=(6, 3))
-    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=nvimgcodec")
-    loader = build_loader(data, cfg.data, CPU, False, seed=7)
-    ids = torch.arange(8)
-    files = data.train.files.read(ids)
-    images = [decode_cpu(as_tensor(b), "") for b in files]
-    shapes = [tuple(image.shape[1:]) for image in images]
-    boxes, flips = rrc_params(7, 3, ids.numpy(), *zip(*shapes), *DEFAULT)
-    sent = loader.fetch.__getitems__(("train", 3, ids.numpy(), False))
-    jpeg = [data.train.files.name(k).endswith(".jpg") for k in range(8)]
-    assert sum(jpeg) == 4 and sent.lengths.tolist() == [len(f) if j else 0 for f, j in zip(files, jpeg)]
-    assert bytes(sent.encoded.numpy()) == b"".join(f for f, j in zip(files, jpeg) if j)
-    assert torch.equal(sent.boxes, torch.from_numpy(boxes)) and torch.equal(sent.flips, torch.from_numpy(flips))
-    assert sent.shapes.tolist() == [[3, h, w] for _, _, h, w in boxes.tolist()]
-    cut = [image[:, y : y + h, x : x + w].reshape(-1) for image, (y, x, h, w) in zip(images, boxes.tolist())]
-    assert torch.equal(sent.x, torch.cat([c for c, j in zip(cut, jpeg) if not j]))
-    sent = loader.fetch.__getitems__(("test", None, np.arange(4), False))
-    assert sent.flips is None and sent.boxes is None
-    assert sent.shapes[:, 1:].tolist() == [
-        list(decode_cpu(as_tensor(b), "").shape[1:]) for b in data.test.files.read(range(4))
-    ]
-
-
-def without_quantization_tables(jpeg: bytes) -> bytes:
-    """A JPEG whose header reads as one the device decoder takes, but that no decoder can decode: its DQT segments
-    are left out."""
-    out, pos = bytearray(jpeg[:2]), 2
-    while jpeg[pos + 1] != 0xDA:
-        length = (jpeg[pos + 2] << 8) | jpeg[pos + 3]
-        if jpeg[pos + 1] != 0xDB:
-            out += jpeg[pos : pos + 2 + length]
-        pos += 2 + length
-    return bytes(out + jpeg[pos:])
-
-
-def test_a_jpeg_nvimgcodec_cannot_decode_is_named_in_one_line_or_skipped(tmp_path, caplog):
-    """Its header is read as any other, so the training process finds it bad: the CPU decoder then names it, or
-    with data.skip_bad_images the batch goes on without it, its label and flip left out with it."""
-    write_tree(tmp_path / "tree", per_class=(4, 2))
-    bad = tmp_path / "tree/train/b/2.jpg"
-    bad.write_bytes(without_quantization_tables(bad.read_bytes()))
-    assert gpu_decodable(bad.read_bytes())
-    data, cfg = disk_data(tmp_path, tmp_path / "tree")
-    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
-    with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
-        batches(data, cfg, steps, 0, "nvimgcodec")
-    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
-    with caplog.at_level(logging.WARNING, logger="src.data.finish"):
-        ((x, y),) = batches(data, cfg, steps, 0, "nvimgcodec")
-    ((ref_x, ref_y),) = batches(data, cfg, steps, 0, "cpu")
-    assert len(x) == 7 and torch.equal(x, ref_x) and torch.equal(y, ref_y)
-    assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
-
-
-def test_nvimgcodec_not_installed_is_one_line(tmp_path, monkeypatch):
-    import nvidia
-
-    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # what an environment without it imports
-    monkeypatch.delattr(nvidia, "nvimgcodec", raising=False)
-    write_tree(tmp_path / "tree", per_class=(4, 2))
-    with pytest.raises(ConfigError, match=r"^data.decode=nvimgcodec needs nvImageCodec: pip install nvidia-nvimgcodec"):
-        disk_data(tmp_path, tmp_path / "tree", "data.decode=nvimgcodec")
-
-
-@pytest.mark.parametrize("device_decoder", ["gpu", "nvimgcodec"])
-def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path, device_decoder):
+def test_mixed_formats_decode_alike_on_the_device_and_in_workers(tmp_path):
     """PNG, CMYK, grayscale and progressive files fall back to the CPU decoder inside the device path: the batches
-    equal the CPU path's, bit for bit (on the CPU the device decoder is libjpeg too). nvimgcodec decodes only
-    each training crop's region, and gives the same batches."""
+    equal the CPU path's, bit for bit (on the CPU the device decoder is libjpeg too)."""
     write_tree(tmp_path / "tree", kinds=("jpeg", "png", "cmyk", "gray", "progressive"), per_class=(10, 5))
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
-    on_device, in_workers = batches(data, cfg, steps, 2, device_decoder), batches(data, cfg, steps, 2, "cpu")
-    assert len(on_device) == len(in_workers) == len(steps)
-    for gpu, cpu in zip(on_device, in_workers):
+    for gpu, cpu in zip(batches(data, cfg, steps, 2, "gpu"), batches(data, cfg, steps, 2, "cpu")):
         assert torch.equal(gpu[0], cpu[0]) and torch.equal(gpu[1], cpu[1])
-    gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in (device_decoder, "cpu"))
+    gpu, cpu = (batches(data, cfg, None, None, d, eval_split="test") for d in ("gpu", "cpu"))
     assert len(gpu) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(gpu, cpu))
     assert gpu[0][0].dtype == torch.float32 and gpu[0][0].shape == (4, 3, 16, 16)
 
@@ -712,7 +620,7 @@ def test_a_socket_error_from_a_worker_killed_mid_handover_is_its_death(tmp_path)
         loader.close()
 
 
-@pytest.mark.parametrize("decode", ["gpu", "split", "nvimgcodec"])
+@pytest.mark.parametrize("decode", ["gpu", "split"])
 def test_gpu_decoding_with_the_crops_in_the_workers_is_one_line(tmp_path, decode):
     write_tree(tmp_path / "tree", per_class=(4, 2))
     with pytest.raises(ConfigError, match=r"^data.crop=workers needs data.decode=cpu: .*use data.crop=device"):
@@ -734,14 +642,13 @@ def test_a_corrupt_file_is_one_line_naming_it_or_skipped(tmp_path, damage, caplo
     bad.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"\xff\xd8 not a jpeg")
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)  # every training image in one batch
-    for decode in ("gpu", "nvimgcodec", "cpu"):
+    for decode in ("gpu", "cpu"):
         with pytest.raises(ConfigError, match=rf"^{bad}: cannot read this image \(.*\); remove or replace the file$"):
             batches(data, cfg, steps, 0, decode)
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.skip_bad_images=true")
     with caplog.at_level(logging.WARNING, logger="src.data.finish"):
         ((x, y),) = batches(data, cfg, steps, 0, "gpu")
-        ((x2, y2),) = batches(data, cfg, steps, 0, "nvimgcodec")
-    assert len(x) == len(y) == 7 and torch.equal(x, x2) and torch.equal(y, y2)
+    assert len(x) == len(y) == 7
     assert any(str(bad) in r.getMessage() and "1 skipped so far" in r.getMessage() for r in caplog.records)
 
 
@@ -874,17 +781,14 @@ def test_a_resumed_epoch_crops_each_sample_the_same_way(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["gpu", "nvimgcodec"])
 @pytest.mark.parametrize("kinds", [("jpeg",), ("jpeg", "png", "cmyk", "gray", "progressive")])
-def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds, decode):
-    """nvjpeg (data.decode=gpu), or nvImageCodec decoding each training crop's region only (on the hardware JPEG
-    engine where the GPU has one), gives the CPU path's batches within a few levels."""
+def test_cuda_decoding_matches_the_cpu_path(tmp_path, kinds):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     write_tree(tmp_path / "tree", kinds=kinds, per_class=(10, 5), smooth=True)
     data, cfg = disk_data(tmp_path, tmp_path / "tree")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
-    cuda = batches(data, cfg, steps, 2, decode, device=torch.device("cuda"))
+    cuda = batches(data, cfg, steps, 2, "gpu", device=torch.device("cuda"))
     cpu = batches(data, cfg, steps, 2, "cpu")
     elsewhere = batches(data, cfg, steps, 3, "cpu")  # the same images cropped as in another epoch
     std = torch.tensor(data.std).view(1, 3, 1, 1)
