@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> float | None:
 
         if HydraConfig.get().mode.name == "MULTIRUN":
             raise  # this sweep point fails; src/run/sweep.py says so in one line and the sweep carries on
-        logging.getLogger("ddplab").error("%s", exc)
+        _to_the_log_file(str(exc))
         print(f"error: {exc}", file=sys.stderr)
         if isinstance(exc, ConfigError):
             remove_refused_run_dir()
@@ -45,6 +45,15 @@ def main(cfg: DictConfig) -> float | None:
     if _sweeper_reads_objective():  # it records the point as failed, not as a number to compare: say why
         logging.getLogger("ddplab").warning("objective %s: this run has no validation split", cfg.objective.metric)
     return None
+
+
+def _to_the_log_file(line: str) -> None:
+    """The run's log file keeps the error too, where the run dir stays; the terminal shows it once, on stderr."""
+    logger = logging.getLogger("ddplab")
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (line,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _sweeper_reads_objective() -> bool:

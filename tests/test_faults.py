@@ -27,6 +27,7 @@ def _one_line_error(proc, message: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-1500:]
+    assert (proc.stdout + proc.stderr).count(message) == 1, proc.stdout[-1500:]  # what a terminal shows: once
 
 
 @pytest.fixture(scope="module")
