@@ -1,5 +1,6 @@
 """Sweeps (`-m`): a failing point is one line and the sweep goes on; the sweep ends with a summary of its failed
-points and a non-zero exit; a sweep in which nothing ran leaves no directory behind.
+points and a non-zero exit; a sweep in which nothing ran leaves no directory behind. A sweep whose every point
+has a bad option is one line before anything starts (nothing submitted to SLURM).
 
 The failed point's line is also kept in `<its dir>/error.txt` (with the traceback of an unexpected error), which is
 how the summary finds the points that ran in other processes (submitit). Submitit sweeps also echo rank 0's log
@@ -85,6 +86,7 @@ class SweepReport(Callback):
         from src.run.cluster import refuse_unreachable_slurm
 
         refuse_unreachable_slurm(config)  # before any folder is made
+        refuse_bad_points(config)
         self.made = not Path(config.hydra.sweep.dir).exists()  # only a folder this sweep made may be removed
         _make(Path(config.hydra.sweep.dir), "hydra.sweep.dir", undo=True)
         self.started = time.time() - 1  # error files written since then are this sweep's
@@ -138,6 +140,44 @@ class SweepReport(Callback):
         else:
             print(f"sweep: outputs in {sweep_dir}", file=sys.stderr)
         sys.exit(2 if not any(details for *_, details in failed) else 1)  # 2: only bad inputs, as a single run
+
+
+def refuse_bad_points(config: DictConfig) -> None:
+    """A sweep whose every point is refused by the checks a run makes of its options (src/run/plan.py check_types)
+    is one line before any point runs or any job is submitted, not a failure per point (a SLURM job each) later.
+    Points are composed one by one until one passes: a sweep with some bad points runs the others, each bad one
+    failing in its job with its line. Other sweepers (optuna) draw their points as they go: their fixed overrides
+    are checked. Best effort: a point that cannot be composed here is left to check itself when it runs."""
+    from hydra import compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from src.run.plan import check_types
+
+    task = list(config.hydra.overrides.task)
+    try:
+        if "BasicSweeper" in str(config.hydra.sweeper.get("_target_", "")):
+            parsed = OverridesParser.create().parse_overrides(task)
+            points = [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+        else:
+            points = [task]
+    except Exception:  # noqa: BLE001 - Hydra itself says what is wrong with the overrides
+        return
+    first = None
+    for point in points:
+        try:
+            check_types(compose(config.hydra.job.config_name, overrides=point))
+        except ConfigError as exc:
+            first = first or (",".join(sorted(point, key=lambda o: o.split("=", 1)[0])), _one_line(exc))
+            continue
+        except Exception:  # noqa: BLE001 - composing outside the job is a convenience; the run checks itself
+            pass
+        return
+    if first:
+        where, line = first
+        said = f"all {len(points)} points are refused; the first, {where}" if len(points) > 1 else where
+        print(f"error: {said}: {line}; no point was started", file=sys.stderr)
+        sys.exit(2)
 
 
 def _error_files(sweep_dir: Path, since: float) -> dict[str, tuple[str, str]]:

@@ -121,6 +121,30 @@ def test_a_sweep_refused_before_anything_ran_leaves_no_directory(tmp_path, overr
     assert left == [] and not (tmp_path / ".submitit").exists()
 
 
+@pytest.mark.parametrize("launcher", [(), ("cluster=local_tasks", "strategy=ddp", "trainer.devices=2")])
+def test_a_sweep_whose_every_point_is_refused_is_one_line_before_any_point_starts(tmp_path, launcher):
+    """Each point used to start (a SLURM job each) and fail with its own line, then the summary repeated them."""
+    proc = run_cli("-m", "debug=fast", *launcher, "seed=1,2", "trainer.max_epochs=abc", cwd=tmp_path, timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    first = ",".join(
+        sorted(["debug=fast", *launcher, "seed=1", "trainer.max_epochs=abc"], key=lambda o: o.split("=")[0])
+    )
+    assert lines[0] == (
+        f"error: all 2 points are refused; the first, {first}: trainer.max_epochs must be a positive integer, "
+        "got 'abc'; no point was started"
+    )
+    assert "Launching" not in proc.stdout and not (tmp_path / "multirun").exists()
+    assert not list(tmp_path.rglob(".submitit"))
+
+
+def test_a_sweep_with_some_refused_points_runs_the_others(tmp_path):
+    proc = run_cli("-m", "debug=fast", "trainer.max_epochs=1,abc", f"hydra.sweep.dir={tmp_path}/s", cwd=tmp_path)
+    assert proc.returncode == 2 and "sweep: 1 point(s) failed:" in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "s/debug=fast,trainer.max_epochs=1/metrics.json").exists()
+
+
 def test_a_failed_sweep_into_an_existing_folder_deletes_nothing_of_it(tmp_path):
     logs = tmp_path / "my logs"
     (logs / "old").mkdir(parents=True)
