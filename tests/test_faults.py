@@ -480,9 +480,10 @@ def _bytes(data: bytes):
 
 BAD_CHECKPOINTS = [  # (key, what is at the path given, message): the file is named, and left as it was
     ("trainer.resume", _folder, "is not a ddplab checkpoint"),
-    ("trainer.resume", _bytes(b""), "is unreadable (EOFError"),
-    ("trainer.resume", _bytes(b'{"model": {}}'), "is unreadable (UnpicklingError"),  # JSON, not torch.save
-    ("ckpt_path", _bytes(b"garbage"), "is unreadable"),
+    ("trainer.resume", _bytes(b""), "is unreadable (the file is empty)"),
+    ("trainer.resume", _bytes(b'{"model": {}}'), "is unreadable (not a file torch.save wrote"),  # JSON
+    ("ckpt_path", _bytes(b"garbage"), "is unreadable (not a file torch.save wrote: neither a zip archive nor"),
+    ("ckpt_path", _bytes(b"\x80\x02garbage"), "is unreadable (UnpicklingError"),  # a pickle's start, then not
     ("ckpt_path", str, "does not exist"),  # nothing there
     ("ckpt_path", _folder, "is not a ddplab checkpoint"),
     ("ckpt_path", None, "train=false needs ckpt_path=<checkpoint file>"),
@@ -497,6 +498,7 @@ BAD_CHECKPOINTS = [  # (key, what is at the path given, message): the file is na
         "resume-an-empty-file",
         "resume-json",
         "eval-garbage",
+        "eval-a-broken-pickle",
         "eval-missing",
         "eval-a-folder",
         "eval-without-checkpoint",

@@ -98,7 +98,16 @@ def _old_numpy_rng() -> list:
 
 
 def safe_torch_load(path: Path, what) -> object:
-    """torch.load(weights_only=True): tensors, numbers, strings and containers only; anything else is refused."""
+    """torch.load(weights_only=True): tensors, numbers, strings and containers only; anything else is refused.
+    A file that torch.save did not write (neither its zip archive nor a legacy pickle) is said to be so, rather
+    than in the words of whatever torch's reader tripped on."""
+    if isinstance(what, (str, Path)):
+        with open(what, "rb") as f:
+            head = f.read(4)
+        if not head:
+            raise Unreadable(path, "the file is empty")
+        if not head.startswith(b"PK") and head[0] != 0x80:
+            raise Unreadable(path, "not a file torch.save wrote: neither a zip archive nor a pickle")
     try:
         with torch.serialization.safe_globals(_old_numpy_rng()):
             return torch.load(what, map_location="cpu", weights_only=True)
