@@ -76,7 +76,12 @@ def load_job(job_dir) -> dict:
     """One job: its overrides (config without seed, and the seed), final metrics, and the reason it
     does not count (`problem`, None when it completed)."""
     job_dir = Path(job_dir)
-    overrides = [str(o) for o in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []]
+    try:
+        overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        overrides = None
+    unreadable = not isinstance(overrides, list)
+    overrides = [] if unreadable else [str(o) for o in overrides]
     job = {
         "dir": job_dir,
         "sweep": str(job_dir.parent),
@@ -87,6 +92,9 @@ def load_job(job_dir) -> dict:
         "settings": {},
     }
     path = job_dir / "metrics.json"
+    if unreadable:
+        job["problem"] = "unreadable .hydra/overrides.yaml (not the list of overrides Hydra writes)"
+        return job
     if not path.is_file():
         job["problem"] = "no metrics.json (crashed, killed or still running)"
         return job
@@ -100,8 +108,20 @@ def load_job(job_dir) -> dict:
         job["problem"] = f"status={status}"
     else:
         job["final"] = metrics.get("final") or {}
+        job["problem"] = _not_metrics(job["final"])
         job["settings"] = _settings(job_dir, metrics)
     return job
+
+
+def _not_metrics(final) -> str | None:
+    """Why a completed job's `final` is not what train.py writes (a number or null per metric), or None."""
+    if not isinstance(final, dict):
+        return f"metrics.json's final is {type(final).__name__}, not the metrics train.py writes"
+    for m in METRICS + OPTIONAL_METRICS:
+        value = final.get(m)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"metrics.json's final {m} is {value!r}, not a number as train.py writes"
+    return None
 
 
 def _settings(job_dir: Path, metrics: dict) -> dict:

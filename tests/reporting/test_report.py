@@ -168,6 +168,29 @@ def test_bad_path_is_one_line_error(tmp_path, capsys, kind):
     assert err.startswith("report: error: ") and err.count("\n") == 1
 
 
+def test_jobs_whose_files_train_py_did_not_write_are_listed_not_a_traceback(tmp_path):
+    """A damaged or hand-edited job is one of the failed or unfinished jobs, named with what is wrong; the
+    others are still averaged. A metric that is not a number was a ValueError traceback."""
+    good = [make_job(tmp_path, [COMMON, f"seed={s}"], final_metrics("ddp", s)) for s in (1, 2)]
+    text = make_job(tmp_path, [COMMON, "seed=3"], {**final_metrics("ddp", 3), "test_top1": "abc"})
+    listed = make_job(tmp_path, [COMMON, "seed=4"], [1, 2])
+    flag = make_job(tmp_path, [COMMON, "seed=5"], {**final_metrics("ddp", 5), "test_loss": True})
+    hydra = make_job(tmp_path, [COMMON, "seed=6"], final_metrics("ddp", 6))
+    (hydra / ".hydra" / "overrides.yaml").write_text("- seed=6\n- [a\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.reporting.report", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"`{text}`: metrics.json's final test_top1 is 'abc', not a number as train.py writes" in proc.stdout
+    assert f"`{listed}`: metrics.json's final is list, not the metrics train.py writes" in proc.stdout
+    assert f"`{flag}`: metrics.json's final test_loss is True, not a number as train.py writes" in proc.stdout
+    assert f"`{hydra}`: unreadable .hydra/overrides.yaml" in proc.stdout
+    [row] = report.aggregate(report.find_jobs(tmp_path))
+    assert row["n"] == 2 and row["n_failed"] == 3
+    expect = statistics.fmean(json.loads((g / "metrics.json").read_text())["final"]["test_top1"] for g in good)
+    assert row["test_top1_mean"] == pytest.approx(expect)
+
+
 def write_job_events(run_dir: Path, hparams: dict, final: dict) -> None:
     writer = open_writer(run_dir)
     for step in range(1, 4):
