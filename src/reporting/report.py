@@ -332,8 +332,45 @@ def _make_room(fig, ax, texts) -> None:
     ax.set_xlim(left, right)
 
 
+PNG_SOFTWARE = "ddplab report"  # the PNG's Software text chunk: how a later report knows the file is its own
+
+
 def write_png(rows, path) -> None:
-    make_figure(rows).savefig(path, dpi=100)
+    make_figure(rows).savefig(path, dpi=100, format="png", metadata={"Software": PNG_SOFTWARE})
+
+
+def _written_by_a_report(path: Path) -> bool:
+    """Whether results.md/.csv/.png at `path` is what this report writes (then it may be replaced)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if path.suffix == ".md":
+        return head.startswith(b"# Sweep report")
+    if path.suffix == ".csv":
+        return head.startswith((b"config,n,n_failed,seeds", b"sweep,config,n,n_failed,seeds"))
+    if b"Software\x00" + PNG_SOFTWARE.encode() in head:
+        return True
+    # earlier reports did not tag their PNG: one beside a report's results.md is theirs
+    beside = path.with_name("results.md")
+    return head.startswith(b"\x89PNG") and beside.is_file() and _written_by_a_report(beside)
+
+
+def write_results(out: Path, markdown: str, rows, by_sweep: bool) -> list[Path]:
+    """results.md, results.csv and results.png in `out`, each written whole then moved into place. A file of
+    that name that a report did not write is left alone: a ReportError names it."""
+    paths = [out / name for name in ("results.md", "results.csv", "results.png")]
+    for path in paths:
+        if path.is_dir() or (path.exists() and not _written_by_a_report(path)):
+            raise ReportError(f"{path} is not a report's {path.suffix} file; move it, or pass --out DIR")
+    writers = (
+        lambda tmp: tmp.write_text(markdown),
+        lambda tmp: write_csv(rows, tmp, by_sweep),
+        lambda tmp: write_png(rows, tmp),
+    )
+    for path, write in zip(paths, writers):
+        tmp = path.with_name(f".{path.name}.partial")
+        write(tmp)
+        tmp.replace(path)
+    return paths
 
 
 def _sweep_dirs(args) -> list:
@@ -403,13 +440,18 @@ def main(argv=None) -> int:
     rows = aggregate(job_dirs, by_sweep=args.by_sweep)
     failed = failed_jobs(job_dirs)
     out = Path(args.out) if args.out else sweeps[0][0]
-    out.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, failed, [str(s) for s, _ in sweeps], args.by_sweep)
-    (out / "results.md").write_text(markdown)
-    write_csv(rows, out / "results.csv", args.by_sweep)
-    write_png(rows, out / "results.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = write_results(out, markdown, rows, args.by_sweep)
+    except ReportError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"report: error: cannot write into {out} ({e.strerror}); pass --out DIR", file=sys.stderr)
+        return 2
     print(markdown)
-    print(f"wrote {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.png'}")
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

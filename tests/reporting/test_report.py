@@ -191,6 +191,34 @@ def test_jobs_whose_files_train_py_did_not_write_are_listed_not_a_traceback(tmp_
     assert row["test_top1_mean"] == pytest.approx(expect)
 
 
+@pytest.mark.parametrize("name", ["results.md", "results.csv", "results.png"])
+def test_files_of_the_users_named_like_the_results_are_left_alone(tmp_path, capsys, name):
+    """The report writes results.md/.csv/.png into the sweep: one of those names that it did not write there
+    (the user's notes) is one line, and nothing in the folder changes; its own files it replaces."""
+    for s in (1, 2):
+        make_job(tmp_path, [COMMON, f"seed={s}"], final_metrics("ddp", s))
+    assert report.main([str(tmp_path)]) == 0 and report.main([str(tmp_path)]) == 0  # its own files: replaced
+    for own in ("results.md", "results.csv", "results.png"):
+        (tmp_path / own).unlink()
+    (tmp_path / name).write_bytes(b"\x89PNG mine" if name.endswith(".png") else b"my notes\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"report: error: {tmp_path / name} is not a report's {name[7:]} file; move it, or pass --out DIR\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / name).read_bytes() in (b"\x89PNG mine", b"my notes\n")
+
+
+def test_an_untagged_png_beside_a_reports_markdown_is_an_earlier_reports(tmp_path):
+    for s in (1, 2):
+        make_job(tmp_path, [COMMON, f"seed={s}"], final_metrics("ddp", s))
+    assert report.main([str(tmp_path)]) == 0
+    report.make_figure([]).savefig(tmp_path / "results.png", dpi=50)  # matplotlib's own Software chunk only
+    assert report.main([str(tmp_path)]) == 0
+    assert b"ddplab report" in (tmp_path / "results.png").read_bytes()[:4096]
+
+
 def write_job_events(run_dir: Path, hparams: dict, final: dict) -> None:
     writer = open_writer(run_dir)
     for step in range(1, 4):
