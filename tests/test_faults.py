@@ -592,6 +592,37 @@ def test_a_file_or_folder_in_the_way_in_the_run_dir_is_one_line(tmp_path, cfg_fa
 
 
 @pytest.mark.parametrize(
+    "name, content",
+    [
+        ("metrics.json", '{"foo": 1}'),  # was: replaced by the run's
+        ("metrics.json", "not json"),
+        ("train.log", "my notes\n"),  # was: the run's log appended to it
+        ("events.out.tfevents.1.host", "mine"),
+        ("checkpoints", None),  # a folder of the user's
+    ],
+)
+def test_files_a_run_did_not_write_under_its_names_are_one_line_and_left_alone(tmp_path, name, content):
+    run_dir = tmp_path / "my folder"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    (run_dir / name).mkdir() if content is None else (run_dir / name).write_text(content)
+    before = {p.relative_to(run_dir): p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    proc = run_cli("debug=fast", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    _one_line_error(proc, f"hydra.run.dir={run_dir} holds {name}, which no ddplab run wrote there")
+    after = {p.relative_to(run_dir): p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    assert after == before
+
+
+def test_a_folder_of_other_files_takes_a_run_beside_them(tmp_path):
+    run_dir = tmp_path / "my folder"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    proc = run_cli("debug=fast", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / "notes.txt").read_text() == "mine" and (run_dir / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         ("data=synthetic", "data.shape=[3,8]"),  # was: ValueError while unpacking the shape

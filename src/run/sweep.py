@@ -10,6 +10,7 @@ of every point while the submitting process waits. A run or sweep directory that
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import sys
 import threading
@@ -57,6 +58,42 @@ def _make(path: Path, key: str, undo: bool = False) -> None:
             made.rmdir()
 
 
+# what a run writes at the top of its run dir: a file of these names there that no run wrote is the user's
+RUN_FILES = ("metrics.json", "train.log", "eval.json", "checkpoints", "predictions", ERROR_FILE)
+RUN_FILE_PATTERNS = ("train_rank*.log", "events.out.tfevents.*")
+
+
+def _ddplab_metrics(path: Path) -> bool:
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and isinstance(metrics.get("status"), str)
+
+
+def _refuse_foreign_files(run_dir: Path) -> None:
+    """A run into a folder holding files of the names a run writes, that no run wrote (no Hydra record, run lock
+    or metrics.json), or a metrics.json that is not a run's: one line before anything there is touched (Hydra
+    appends to train.log; a run replaces metrics.json)."""
+    if not run_dir.is_dir():
+        return
+    metrics = run_dir / "metrics.json"
+    foreign = None
+    if metrics.exists() and not _ddplab_metrics(metrics):
+        foreign = metrics
+    elif not any((run_dir / mark).exists() for mark in (".hydra", ".lock", "metrics.json")):  # a run's record
+        found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+        found += [path for pattern in RUN_FILE_PATTERNS for path in sorted(run_dir.glob(pattern))]
+        foreign = found[0] if found else None
+    if foreign is not None:
+        print(
+            f"error: hydra.run.dir={run_dir} holds {foreign.name}, which no ddplab run wrote there; "
+            f"train in a new or empty folder",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 MADE_HERE: list[Path] = []  # the folders this single run's invocation made (its run dir and missing parents)
 
 
@@ -80,6 +117,8 @@ class SweepReport(Callback):
         HydraConfig.instance().set_config(config)
         run_dir = Path(config.hydra.run.dir)
         MADE_HERE[:] = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
+        if _primary():  # before Hydra opens train.log there (other ranks: rank 0 may have written it meanwhile)
+            _refuse_foreign_files(run_dir)
         _make(run_dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
