@@ -808,8 +808,9 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(tmp_path, how):
     marker = tmp_path / "pwned"
     given = _crafted_full(tmp_path / "given.pt", marker)
     run_dir = tmp_path / "run"
-    if how == "run-dir":  # the re-run check reads the run dir's own last.pt
+    if how == "run-dir":  # the re-run check reads the run dir's own last.pt (a run dir as Hydra leaves it)
         (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / ".hydra").mkdir()
         given = _crafted_full(run_dir / "checkpoints/last.pt", marker)
     if how == "export":
         proc = _export(given, tmp_path / "out.pt")

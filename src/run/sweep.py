@@ -88,7 +88,7 @@ def _refuse_foreign_files(run_dir: Path) -> None:
     if foreign is not None:
         print(
             f"error: hydra.run.dir={run_dir} holds {foreign.name}, which no ddplab run wrote there; "
-            f"train in a new or empty folder",
+            f"use a new or empty folder",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -62,6 +62,7 @@ def test_predict_without_an_evaluation_is_one_line(tmp_path):
 
 
 def test_a_file_in_the_way_of_the_predictions_is_one_line(trained, tmp_path):
+    (tmp_path / ".hydra").mkdir()  # an earlier run's dir (a folder no run wrote is refused before: test_faults.py)
     (tmp_path / "predictions").write_text("mine")
     proc = run_cli(
         "train=false", "predict=true", f"ckpt_path={trained}/checkpoints/best.pt", f"hydra.run.dir={tmp_path}"
