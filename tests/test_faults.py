@@ -614,9 +614,12 @@ def test_files_a_run_did_not_write_under_its_names_are_one_line_and_left_alone(t
 
 
 def test_a_folder_of_other_files_takes_a_run_beside_them(tmp_path):
+    """Also the log another rank of the run opened first (torchrun starts the ranks at once; rank 0 refused the
+    run when rank 1's train_rank1.log was there before any .hydra)."""
     run_dir = tmp_path / "my folder"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
+    (run_dir / "train_rank1.log").write_text("")
     proc = run_cli("debug=fast", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "notes.txt").read_text() == "mine" and (run_dir / "metrics.json").is_file()

@@ -58,9 +58,10 @@ def _make(path: Path, key: str, undo: bool = False) -> None:
             made.rmdir()
 
 
-# what a run writes at the top of its run dir: a file of these names there that no run wrote is the user's
+# what rank 0 of a run writes at the top of its run dir: a file of these names there that no run wrote is the
+# user's (the other ranks' train_rank<N>.log are not among them: under torchrun they may be there already)
 RUN_FILES = ("metrics.json", "train.log", "eval.json", "checkpoints", "predictions", ERROR_FILE)
-RUN_FILE_PATTERNS = ("train_rank*.log", "events.out.tfevents.*")
+RUN_FILE_PATTERNS = ("events.out.tfevents.*",)
 
 
 def _ddplab_metrics(path: Path) -> bool:
