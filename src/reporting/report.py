@@ -266,8 +266,11 @@ def to_markdown(rows, failed, sweeps, by_sweep=False) -> str:
     return "\n".join(lines) + "\n"
 
 
+CSV_FIRST_COLUMNS = ("config", "n", "n_failed", "seeds")  # after "sweep" with --by-sweep
+
+
 def write_csv(rows, path, by_sweep=False) -> None:
-    cols = (["sweep"] if by_sweep else []) + ["config", "n", "n_failed", "seeds"]
+    cols = (["sweep"] if by_sweep else []) + list(CSV_FIRST_COLUMNS)
     cols += [k for k in SETTINGS if any(r[k] is not None for r in rows)]  # all known, equal or not
     cols += [f"{m}_{s}" for m in _metric_columns(rows) for s in ("mean", "std", "n")]
     with open(path, "w", newline="") as f:
@@ -346,7 +349,8 @@ def _written_by_a_report(path: Path) -> bool:
     if path.suffix == ".md":
         return head.startswith(b"# Sweep report")
     if path.suffix == ".csv":
-        return head.startswith((b"config,n,n_failed,seeds", b"sweep,config,n,n_failed,seeds"))
+        first = ",".join(CSV_FIRST_COLUMNS).encode()
+        return head.startswith((first, b"sweep," + first))
     if b"Software\x00" + PNG_SOFTWARE.encode() in head:
         return True
     # earlier reports did not tag their PNG: one beside a report's results.md is theirs

@@ -10,7 +10,6 @@ of every point while the submitting process waits. A run or sweep directory that
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import sys
 import threading
@@ -64,23 +63,17 @@ RUN_FILES = ("metrics.json", "train.log", "eval.json", "checkpoints", "predictio
 RUN_FILE_PATTERNS = ("events.out.tfevents.*",)
 
 
-def _ddplab_metrics(path: Path) -> bool:
-    try:
-        metrics = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(metrics, dict) and isinstance(metrics.get("status"), str)
-
-
 def _refuse_foreign_files(run_dir: Path) -> None:
     """A run into a folder holding files of the names a run writes, that no run wrote (no Hydra record, run lock
     or metrics.json), or a metrics.json that is not a run's: one line before anything there is touched (Hydra
     appends to train.log; a run replaces metrics.json)."""
+    from src.state.resume import run_metrics
+
     if not run_dir.is_dir():
         return
     metrics = run_dir / "metrics.json"
     foreign = None
-    if metrics.exists() and not _ddplab_metrics(metrics):
+    if metrics.exists() and run_metrics(run_dir) is None:
         foreign = metrics
     elif not any((run_dir / mark).exists() for mark in (".hydra", ".lock", "metrics.json")):  # a run's record
         found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]

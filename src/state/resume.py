@@ -96,13 +96,19 @@ def _moved(target):
     return target
 
 
-def completed(run_dir: Path) -> dict | None:
-    """metrics.json of the completed training run in `run_dir`, else None."""
+def run_metrics(run_dir: Path) -> dict | None:
+    """metrics.json in `run_dir` as a run writes it (a JSON object with a status), else None."""
     try:
         metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
         return None
-    return metrics if isinstance(metrics, dict) and metrics.get("status") == "completed" else None
+    return metrics if isinstance(metrics, dict) and isinstance(metrics.get("status"), str) else None
+
+
+def completed(run_dir: Path) -> dict | None:
+    """metrics.json of the completed training run in `run_dir`, else None."""
+    metrics = run_metrics(run_dir)
+    return metrics if metrics is not None and metrics["status"] == "completed" else None
 
 
 def already_completed(cfg: DictConfig, overrides: list[str] | None) -> dict | None:
