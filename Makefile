@@ -51,13 +51,13 @@ bench-strategies: install  ## single, ddp, fsdp on 2 and 4 GPUs, compiled, one t
 	$(PY) bench/strategies_table.py --scaling $(MODEL) $(ARGS)
 
 GPUS ?= 1
-bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU; pip install nvidia-dali-cuda130): SHARDS=<pack> GPUS=1|4
+bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU): SHARDS=<pack> GPUS=1|4
 	$(PY) -m torch.distributed.run --nproc-per-node $(GPUS) bench/dali_anchor.py --shards $(SHARDS) --mode loop \
 		--hw-decoder-load 0 --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
 
 bench-decode: install  ## the default data.decode vs each explicit choice on this host, loaders alone and ResNet-50 on 1 and GPUS GPUs (GPU): SHARDS=<pack> GPUS=4
 	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus $(GPUS) \
-		--decode auto,cpu,cpudecode,gpu,split --workers auto --override trainer.limit_eval_batches=2 \
+		--decode auto,cpu,cpudecode,gpu,split,dali --workers auto --override trainer.limit_eval_batches=2 \
 		--only 'resnet50-ceiling-bf16-cl-cudagraphs,loader*,resnet50-single1-*,resnet50-ddp$(GPUS)-*' \
 		--out outputs/bench/decode$(GPUS).json $(ARGS)
 

@@ -86,6 +86,7 @@ DECODES = {
     "cpu": ("classic", ["data.decode=cpu", "data.crop=workers"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
     "split": ("split", ["data.decode=split"]),
+    "dali": ("dali", ["data.decode=dali"]),  # needs NVIDIA DALI (pip install nvidia-dali-cuda130)
 }
 
 
@@ -95,8 +96,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
     the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
-    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU); shard tags
-    start with `shards-`."""
+    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU), or by DALI
+    in the training process with N threads (`dali<N>`); shard tags start with `shards-`."""
     workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host
     if not args.decode:
         return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [
@@ -731,7 +732,8 @@ def main() -> int:
         "--decode",
         help="compare images read from disk instead: auto (the default's choice for this host), gpu, cpu (the "
         "workers crop too), cpudecode (the workers only decode and cut the crops' regions, the GPU resizes them) "
-        "and/or split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...), "
+        "split (CPU workers and GPU-decoding workers share each batch: --override data.gpu_share=...) and/or "
+        "dali (DALI in the training process, --workers threads), "
         "e.g. gpu,cpu (with --data-root and/or --shards; adds loader-* runs: the loader alone)",
     )
     p.add_argument("--shards", help="a pack of the same images (python -m src.data.shards pack): data=shards runs too")
@@ -755,7 +757,8 @@ def main() -> int:
         p.error(refusal)
     if args.decode and (not (args.data_root or args.shards) or set(args.decode.split(",")) - set(DECODES)):
         p.error(
-            "--decode takes auto, gpu, cpu, cpudecode and/or split (e.g. gpu,cpu) and needs --data-root and/or --shards"
+            "--decode takes auto, gpu, cpu, cpudecode, split and/or dali (e.g. gpu,cpu) and needs --data-root and/or "
+            "--shards"
         )
     folder = "outputs/bench" if args.smoke else "bench/results"  # a smoke run is no result to keep: git-ignored
     out = Path(args.out or ROOT / folder / f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")

@@ -14,7 +14,7 @@ It reads the images of a ddplab shard pack (`python -m src.data.shards pack`), w
   ddplab's ddp does (`strategy.gradient_sync=auto`). Then the same step on one batch left on the GPU: the
   ceiling, measured in the same process.
 
-Needs `nvidia-dali-cuda130` (not a ddplab requirement). Results: bench/results/dali-anchor_*.md.
+Needs `nvidia-dali-cuda130` (requirements.txt installs it on Linux x86-64). Results: bench/results/dali-*.md.
 """
 
 from __future__ import annotations
@@ -145,17 +145,12 @@ def make_step(args, device: torch.device, world: int):
 
 def refused(shards: Path) -> str | None:
     """Why this machine cannot run the anchor, in one line (before any process group starts)."""
-    import importlib.util
-
     from src.config.errors import ConfigError
+    from src.data.loader_plan import DALI_INSTALL, dali_installed
     from src.data.shards import read_meta
 
-    try:
-        dali = importlib.util.find_spec("nvidia.dali")
-    except ModuleNotFoundError:  # no `nvidia` namespace at all
-        dali = None
-    if dali is None:
-        return "needs NVIDIA DALI, which ddplab does not install: pip install nvidia-dali-cuda130"
+    if not dali_installed():
+        return f"needs NVIDIA DALI, which is not installed here: {DALI_INSTALL}"
     try:
         read_meta(shards)
     except ConfigError as exc:

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from src.data.loader_plan import dali_installed
 from tests.conftest import ROOT
+from tests.data.test_decode import write_tree
 
 BENCH = [sys.executable, str(ROOT / "bench" / "bench.py")]
 SMOKE_RUNS = {"ceiling-fp32", "single1-gpu", "single1-classic0", "ddp2-gpu", "ddp2-classic0"}
@@ -457,19 +459,39 @@ def test_dali_anchor_reads_the_packs_training_images_byte_for_byte(tmp_path):
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
-def test_dali_anchor_without_dali_says_what_to_install_in_one_line(tmp_path):
-    """This machine has no DALI (ddplab does not require it): the anchor refuses in one line, no traceback."""
-    proc = subprocess.run(
-        [sys.executable, "bench/dali_anchor.py", "--shards", str(tmp_path), "--mode", "loop", "--out", "x.json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "dali_anchor.py: needs NVIDIA DALI, which ddplab does not install: pip install nvidia-dali-cuda130"
+# Python's own mark of a module that cannot be imported: find_spec then says it is not there
+WITHOUT_DALI = (
+    "import runpy, sys; sys.modules['nvidia.dali'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def test_dali_anchor_without_dali_or_a_pack_says_what_to_do_in_one_line(tmp_path):
+    """Where DALI is not installed (not Linux x86-64), the anchor says what to install; with DALI, a folder that is
+    not a pack is named. One line each, no traceback."""
+    args = ["bench/dali_anchor.py", "--shards", str(tmp_path), "--mode", "loop", "--out", "x.json"]
+    said = {}
+    for case, command in (("without", ["-c", WITHOUT_DALI, *args]), ("with", args)):
+        proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        said[case] = proc.stderr.strip().splitlines()
+    assert said["without"] == [
+        "dali_anchor.py: needs NVIDIA DALI, which is not installed here: pip install nvidia-dali-cuda130"
     ]
+    if dali_installed():
+        assert len(said["with"]) == 1 and said["with"][0].startswith(f"dali_anchor.py: --shards: {tmp_path}")
+
+
+def test_data_decode_dali_without_dali_is_one_line_before_anything_starts(tmp_path):
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    train = ["train.py", "data=imagefolder", f"data.root={tmp_path / 'tree'}", "data.decode=dali"]
+    train += [f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_epochs=1"]
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_DALI, *train], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
+    line = "data.decode=dali needs NVIDIA DALI, which is not installed here: pip install nvidia-dali-cuda130"
+    assert (proc.stdout + proc.stderr).count(line) == 1 and not (tmp_path / "run").exists()
 
 
 def test_airbench_anchor_summarises_each_training_length_over_its_own_seeds():

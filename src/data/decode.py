@@ -39,17 +39,16 @@ def unreadable(name: str, exc: Exception) -> ConfigError:
     return ConfigError(f"{name}: cannot read this image ({why}); remove or replace the file")
 
 
-def gpu_decodable(data) -> bool:
-    """Whether the device decoder takes this image: a complete 8-bit sequential JPEG with 3 YCbCr components
-    in a common subsampling, read from its header (a few hundred bytes) without decoding."""
-    data = memoryview(data).cast("B")
+def _jpeg_segments(data: memoryview):
+    """(marker, segment) of each segment of a JPEG's header, up to its start of scan: nothing more where the bytes
+    are not a complete JPEG (no end marker) or the header is broken."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[n - 2] != 0xFF or data[n - 1] != 0xD9:
-        return False  # not a JPEG, or truncated (no end marker): the CPU decoder names what is wrong
-    pos, frame = 2, False
+        return
+    pos = 2
     while pos + 4 <= n:
         if data[pos] != 0xFF:
-            return False
+            return
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -58,7 +57,17 @@ def gpu_decodable(data) -> bool:
             pos += 2
             continue
         length = (data[pos + 2] << 8) | data[pos + 3]
-        segment = data[pos + 4 : pos + 2 + length]
+        yield marker, data[pos + 4 : pos + 2 + length]
+        if marker == 0xDA:  # start of scan: the header is over
+            return
+        pos += 2 + length
+
+
+def gpu_decodable(data) -> bool:
+    """Whether the device decoder takes this image: a complete 8-bit sequential JPEG with 3 YCbCr components
+    in a common subsampling, read from its header (a few hundred bytes) without decoding."""
+    frame = False
+    for marker, segment in _jpeg_segments(memoryview(data).cast("B")):
         if marker in _OTHER_FRAMES:
             return False
         if marker in _SEQUENTIAL:
@@ -70,10 +79,30 @@ def gpu_decodable(data) -> bool:
             frame = True
         if marker == 0xEE and bytes(segment[:5]) == b"Adobe" and len(segment) >= 12 and segment[11] == 0:
             return False  # Adobe's "no colour transform": RGB stored as is, not YCbCr
-        if marker == 0xDA:  # start of scan: the header is over
+        if marker == 0xDA:
             return frame
-        pos += 2 + length
     return False
+
+
+def encoded_size(data, name: str) -> tuple[int, int]:
+    """(height, width) of an encoded image, from its header without decoding: a JPEG's frame, else PIL's reading
+    of the header (PNG, WEBP, ...). The stored orientation, as `decode_cpu` decodes it (EXIF is not applied). A
+    file whose header neither reads is one ConfigError line naming it."""
+    from PIL import Image
+
+    view = memoryview(data).cast("B")
+    for marker, segment in _jpeg_segments(view):
+        if (marker in _SEQUENTIAL or marker in _OTHER_FRAMES) and len(segment) >= 5:
+            height, width = (segment[1] << 8) | segment[2], (segment[3] << 8) | segment[4]
+            if height and width:  # a height of 0 is given later in the file (a DNL marker): PIL's reading
+                return height, width
+            break
+    try:
+        with Image.open(io.BytesIO(view)) as img:
+            width, height = img.size
+    except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError... depending on the codec
+        raise unreadable(name, exc) from None
+    return height, width
 
 
 def to_rgb(img):

@@ -4,6 +4,7 @@ builds and every report names."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -27,6 +28,14 @@ MIN_CPU_WORKERS = 6
 # share of the time; then the training process crops. Cropping on the GPU was the faster on every host where the
 # GPU waited 8 % or more, the slower on each where it waited under 5 % (bench/results/decode-default-more-hosts_*)
 CROP_ON_DEVICE_GPU_WAIT = 0.08
+DALI_INSTALL = "pip install nvidia-dali-cuda130"  # requirements.txt installs it on Linux x86-64 only
+
+
+def dali_installed() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no `nvidia` namespace at all
+        return False
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class LoaderOptions:
 
     loader: Literal["auto", "resident", "workers"]  # resident: the dataset in device memory; workers: DataLoader
     num_workers: Literal["auto"] | Annotated[int, NonNegative]
-    decode: Literal["auto", "gpu", "cpu", "split"] = "auto"
+    decode: Literal["auto", "gpu", "cpu", "split", "dali"] = "auto"
     gpu_share: Annotated[float, Range(0, 1, open_lo=True)] = 0.5  # decode=split: the share decoded on the GPU
     crop: Literal["auto", "workers", "device"] = "auto"
     skip_bad_images: bool = False
@@ -48,13 +57,21 @@ class LoaderOptions:
                 "data.auto_augment=trivial runs per image in the CPU workers, not in data.loader=resident; "
                 "use data.loader=workers (or auto)"
             )
-        if trivial and (self.decode in ("gpu", "split") or self.crop == "device"):
+        if trivial and (self.decode in ("gpu", "split", "dali") or self.crop == "device"):
             raise ConfigError(
                 f"data.auto_augment=trivial runs in the CPU workers after their crops, not with "
                 f"data.decode={self.decode} data.crop={self.crop}; set data.decode=cpu (or auto) and "
                 "data.crop=workers (or auto)"
             )
-        if self.decode in ("gpu", "split") and self.crop == "workers":
+        if self.decode == "dali":
+            if not dali_installed():
+                raise ConfigError(f"data.decode=dali needs NVIDIA DALI, which is not installed here: {DALI_INSTALL}")
+            if self.skip_bad_images:
+                raise ConfigError(
+                    "data.skip_bad_images=true needs ddplab's decoders, which name each image they skip; "
+                    "DALI stops at an unreadable one: set data.decode=auto, cpu or gpu"
+                )
+        if self.decode in ("gpu", "split", "dali") and self.crop == "workers":
             raise ConfigError(
                 f"data.crop=workers needs data.decode=cpu: images decoded on the GPU (data.decode={self.decode}) "
                 "are cropped by the training process; use data.crop=device (or auto)"
@@ -66,11 +83,12 @@ class LoaderPlan:
     """How batches are made. resident: the dataset lives in device memory and is augmented there, no workers.
     Else `workers` DataLoader processes fetch each batch; images read from disk are decoded (`decode`) on their
     CPUs (cpu), on the GPU (gpu), or both, each batch's `gpu_share` by `gpu_workers` more workers (split), and
-    cropped by the workers or, `crop_on_device`, by the training process."""
+    cropped by the workers or, `crop_on_device`, by the training process. dali: a DALI pipeline in the training
+    process decodes and crops, with `workers` CPU threads (src/data/dali.py)."""
 
     resident: bool = False
     from_disk: bool = False  # each batch read (and decoded) from files
-    decode: Literal["cpu", "gpu", "split"] | None = None  # None: the dataset gives pixels
+    decode: Literal["cpu", "gpu", "split", "dali"] | None = None  # None: the dataset gives pixels
     crop_on_device: bool = False
     workers: int = 0
     gpu_share: float = 0.0
@@ -131,9 +149,13 @@ def resolve_plan(
         cpu_only = (
             "data.auto_augment=trivial" if trivial else "data.crop=workers" if options.crop == "workers" else None
         )
-        decode, why = auto_decode(device.type, cpu_workers, cpu_only)
+        dali = dali_installed() and not options.skip_bad_images  # DALI cannot skip an image and name it
+        decode, why = auto_decode(device.type, cpu_workers, cpu_only, dali)
         if device.type == "cuda":  # where there is a choice
-            log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu or split chooses", decode, why)
+            log.info("data.decode=auto: %s (%s); data.decode=cpu, gpu, split or dali chooses", decode, why)
+    if decode == "dali":  # its threads take this process's CPUs, as workers would (at least one)
+        threads = resolve_workers(options.num_workers, device, False, False, local_processes, False, "DALI threads", 1)
+        return LoaderPlan(from_disk=True, decode="dali", crop_on_device=True, workers=max(1, threads))
     on_gpu = decode == "gpu"
     split = decode == "split"  # CPU workers decode, except each batch's GPU share; this process crops
     workers = resolve_workers(options.num_workers, device, False, on_gpu, local_processes, split)
@@ -165,23 +187,32 @@ def cpus_of_this_process(local_processes: int) -> int:
 
 
 def resolve_workers(
-    value, device: torch.device, in_memory: bool, decode_on_device: bool, local_processes: int, split: bool = False
+    value,
+    device: torch.device,
+    in_memory: bool,
+    decode_on_device: bool,
+    local_processes: int,
+    split: bool = False,
+    what: str = "DataLoader workers",
+    least: int = 0,
 ) -> int:
     """data.num_workers: an integer as given; auto: this process's CPUs but one (left to it), at most
     AUTO_CPU_WORKERS (AUTO_GPU_DECODING_WORKERS when the workers decode on the GPU); none for data in memory on a
     CPU device, where workers would take the cores the training step runs on. split (data.decode=split): the CPU
-    workers, beside AUTO_GPU_DECODING_WORKERS that decode on the GPU and take CPUs too."""
+    workers, beside AUTO_GPU_DECODING_WORKERS that decode on the GPU and take CPUs too. what: what they are, for
+    the log line (DALI's threads); least: the fewest auto gives."""
     if value != "auto":
         return value
     if in_memory and device.type == "cpu":
         return 0
     beside = AUTO_GPU_DECODING_WORKERS if split else 0  # they take CPUs too (file reads, nvjpeg's host stage)
     cap = AUTO_GPU_DECODING_WORKERS if decode_on_device else AUTO_CPU_WORKERS
-    workers = max(1 if split else 0, auto_workers(local_processes, cap, beside))
+    workers = max(1 if split else least, auto_workers(local_processes, cap, beside))
     also = f" and {beside} decoding on the GPU" if split else ""
     log.info(
-        "data.num_workers=auto: %d DataLoader workers%s (%d CPUs for this process, one kept for it)",
+        "data.num_workers=auto: %d %s%s (%d CPUs for this process, one kept for it)",
         workers,
+        what,
         also,
         cpus_of_this_process(local_processes),
     )
@@ -193,13 +224,18 @@ def auto_workers(local_processes: int, cap: int, beside: int = 0) -> int:
     return max(0, min(cpus_of_this_process(local_processes) - 1 - beside, cap))
 
 
-def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None) -> tuple[str, str]:
+def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None, dali: bool = False) -> tuple[str, str]:
     """data.decode=auto: (decode, the reason in a few words). cpu_workers: the DataLoader workers this process gets
-    when they decode; cpu_only: an option that needs the CPU workers to decode (its name), if any."""
+    when they decode; cpu_only: an option that needs the CPU workers to decode (its name), if any; dali: DALI is
+    installed and may decode. With few CPUs per GPU, DALI fed ResNet-50 1.25x GPU-decoding workers
+    (bench/results/dali-engine_h200_2026-11-29.md)."""
     if device_type != "cuda":
         return "cpu", "no GPU"
     if cpu_only:
         return "cpu", f"{cpu_only} runs in the CPU workers"
     if cpu_workers >= MIN_CPU_WORKERS:
         return "cpu", f"{cpu_workers} CPU workers per GPU decode faster than the GPU beside the model"
-    return "gpu", f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS}) decode slower than the GPU"
+    few = f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS})"
+    if dali:
+        return "dali", f"{few} decode slower than DALI's threads and the GPU's JPEG decoder"
+    return "gpu", f"{few} decode slower than the GPU; DALI is faster still: {DALI_INSTALL}"

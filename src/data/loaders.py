@@ -1,8 +1,9 @@
 """Batches for one rank, as the LoaderPlan says (src/data/loader_plan.py): `ResidentLoader` keeps the dataset in
 device memory and augments it there; `WorkerLoader` has DataLoader workers fetch each batch (src/data/fetch.py)
 and finishes it on the device (src/data/finish.py), sending the next epoch to the workers ahead of the trainer
-(src/data/epoch.py). Both take each micro-batch's samples from the epoch plan and draw every random choice from
-(seed, epoch, sample id), so all loaders, strategies and world sizes give the same batches."""
+(src/data/epoch.py); `DaliLoader` has DALI decode and crop each batch in this process (src/data/dali.py). All
+take each micro-batch's samples from the epoch plan and draw every random choice from (seed, epoch, sample id), so
+all loaders, strategies and world sizes give the same batches."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from src.data.augment import Augmentation, AugmentOptions, DiskCrops, Recipe, to_device
+from src.data.dali import DaliCrops
 from src.data.datasets import DataBundle, options_of
 from src.data.decode import EncodedImages
 from src.data.epoch import MicroBatch, ReadAhead, Step, micro_batches, with_boundaries
@@ -231,6 +233,31 @@ class WorkerLoader:
         self.ahead = None
 
 
+class DaliLoader:
+    """data.decode=dali: a DALI pipeline in this process decodes and crops each batch (src/data/dali.py), with the
+    crops and flips ddplab draws; this process finishes it as it does the workers' (normalize, cutout, recipe)."""
+
+    def __init__(self, data: DataBundle, plan: LoaderPlan, augmentation: Augmentation, seed: int, crops: DiskCrops):
+        self.plan, self.augmentation, self.device, self.seed = plan, augmentation, augmentation.device, seed
+        self.finish = DeviceFinish(data, augmentation, seed, crops)
+        self.dali = DaliCrops(data, crops, self.device, plan.workers)
+
+    def prepare(self, steps: list[Step], epoch: int, evals: Sequence = ()) -> None:
+        """Nothing ahead of the pass: DALI starts on a pass's first batches as the trainer asks for it."""
+
+    def _batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:
+        for fetched in self.dali(split, epoch, batches):
+            yield self.finish(fetched, split, epoch)
+
+    # a pass is made of batches as the workers' is, with the recipe on top: their code, on this _batches
+    train_batches = WorkerLoader.train_batches
+    eval_batches = WorkerLoader.eval_batches
+
+    def close(self) -> None:
+        self.dali.close()
+        self.finish.close()
+
+
 def build_loader(
     data: DataBundle,
     cfg,
@@ -239,7 +266,7 @@ def build_loader(
     seed: int,
     compile: bool = False,
     local_processes: int = 1,
-) -> ResidentLoader | WorkerLoader:
+) -> ResidentLoader | WorkerLoader | DaliLoader:
     """The loader of the data config `cfg` (its options: LoaderOptions, AugmentOptions). compile
     (trainer.compile): compile the resident loader's augmentation too. local_processes: the training processes
     of this node (data.num_workers=auto shares its CPUs among them)."""
@@ -256,4 +283,6 @@ def build_loader(
     if plan.decode:
         rrc = data.augment == "random_resized_crop"
         crops = DiskCrops(data.image_size, rrc, seed, augment.rrc_scale, augment.rrc_ratio)
+    if plan.decode == "dali":
+        return DaliLoader(data, plan, augmentation, seed, crops)
     return WorkerLoader(data, plan, augmentation, seed, crops, options.skip_bad_images)

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from src.data.loader_plan import MIN_CPU_WORKERS, auto_decode
+from src.data.loader_plan import MIN_CPU_WORKERS, LoaderOptions, auto_decode, resolve_plan
 
 
 @pytest.mark.parametrize(
-    ("device", "workers", "cpu_only", "expected"),
+    ("device", "workers", "cpu_only", "dali", "expected"),
     [
-        ("cpu", 0, None, "cpu"),  # no GPU to decode on
-        ("cuda", 15, None, "cpu"),  # a 64-CPU host with 4 GPUs
-        ("cuda", MIN_CPU_WORKERS, None, "cpu"),
-        ("cuda", MIN_CPU_WORKERS - 1, None, "gpu"),  # too few CPUs per GPU
-        ("cuda", 0, None, "gpu"),  # data.num_workers=0: nothing else decodes off the training process
-        ("cuda", 2, "data.auto_augment=trivial", "cpu"),  # runs in the workers after their crops
-        ("cuda", 0, "data.crop=workers", "cpu"),
+        ("cpu", 0, None, True, "cpu"),  # no GPU to decode on
+        ("cuda", 15, None, True, "cpu"),  # a 64-CPU host with 4 GPUs
+        ("cuda", MIN_CPU_WORKERS, None, True, "cpu"),
+        ("cuda", MIN_CPU_WORKERS - 1, None, True, "dali"),  # too few CPUs per GPU: DALI where it is installed
+        ("cuda", MIN_CPU_WORKERS - 1, None, False, "gpu"),  # else the GPU-decoding workers
+        ("cuda", 0, None, False, "gpu"),  # data.num_workers=0: nothing else decodes off the training process
+        ("cuda", 2, "data.auto_augment=trivial", True, "cpu"),  # runs in the workers after their crops
+        ("cuda", 0, "data.crop=workers", True, "cpu"),
     ],
 )
-def test_auto_decode_by_host(device, workers, cpu_only, expected):
-    decode, why = auto_decode(device, workers, cpu_only)
+def test_auto_decode_by_host(device, workers, cpu_only, dali, expected):
+    decode, why = auto_decode(device, workers, cpu_only, dali)
     assert decode == expected and why and "\n" not in why
+
+
+@pytest.mark.parametrize(("skip", "expected"), [(False, "decode-dali"), (True, "decode-gpu")])
+def test_few_cpus_decode_with_dali_unless_bad_images_are_to_be_skipped(skip, expected):
+    """DALI stops at an unreadable image: data.skip_bad_images=true keeps ddplab's own GPU decoding."""
+    pytest.importorskip("nvidia.dali", reason="DALI installs on Linux x86-64 only (requirements.txt)")
+    options = LoaderOptions(loader="auto", num_workers=3, skip_bad_images=skip)
+    plan = resolve_plan(options, torch.device("cuda", 0), in_memory=False, encoded=True, trivial=False)
+    assert plan.name == expected and plan.workers == 3

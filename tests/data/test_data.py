@@ -446,7 +446,7 @@ def test_a_split_too_small_for_every_class_names_the_fractions_that_work():
             r"data._target_=src.data.datasets.no_such_loader cannot be imported as a function \(Are you sure",
         ),
         ("data._target_=tests.data.test_data.empty_train", r"the train split of data=digits is empty"),
-        ("+data.decode=nvjpeg", r"data.decode must be one of auto, gpu, cpu, split, got 'nvjpeg'"),
+        ("+data.decode=nvjpeg", r"data.decode must be one of auto, gpu, cpu, split, dali, got 'nvjpeg'"),
         (
             "+data.rrc_scale=[0.5,0.1]",
             r"data.rrc_scale must be .* pair \[low, high\] with 0 < low <= high <= 1 .*got \[0.5, 0.1\]",

@@ -24,7 +24,7 @@ from src.data.datasets import load_data
 from src.data.decode import as_tensor, decode_cpu, gpu_decodable
 from src.data.epoch import plan_epoch
 from src.data.fetch import gpu_decoded
-from src.data.loader_plan import cpus_of_this_process, resolve_workers
+from src.data.loader_plan import cpus_of_this_process, dali_installed, resolve_workers
 from src.data.loaders import WorkerLoader, build_loader
 from src.run.trainer import train
 from tests.conftest import make_cfg
@@ -844,15 +844,18 @@ def test_split_decoding_on_cuda_gives_each_sample_as_its_decoder_does(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path):
+@pytest.mark.parametrize("decode", ["gpu", "dali"])
+def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path, decode):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if decode == "dali" and not dali_installed():
+        pytest.skip("DALI installs on Linux x86-64 only (requirements.txt)")
     write_tree(tmp_path / "tree", per_class=(16, 4))
     _, cfg = disk_data(
         tmp_path,
         tmp_path / "tree",
         "trainer.device=cuda",
-        "data.decode=gpu",
+        f"data.decode={decode}",
         "data.batch_size=8",
         "trainer.compile=true",
         "trainer.compile_mode=reduce-overhead",

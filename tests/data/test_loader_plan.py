@@ -12,13 +12,14 @@ import torch
 from src.config.cli import problem
 from src.config.errors import ConfigError
 from src.data.datasets import check_data_config
-from src.data.loader_plan import LoaderOptions, LoaderPlan, resolve_plan
+from src.data.loader_plan import LoaderOptions, LoaderPlan, dali_installed, resolve_plan
 from src.run.trainer import train
 from src.state.resume import current_config
 from tests.conftest import ROOT, make_cfg, read_metrics
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 IN_MEMORY, ENCODED, OWN = (True, False), (False, True), (False, False)  # (in_memory, encoded)
+FEW_CPUS = "dali" if dali_installed() else "gpu"
 
 PLANS = [  # (options, device, dataset, trivial, the plan)
     ({}, CUDA, IN_MEMORY, False, LoaderPlan(resident=True)),
@@ -26,7 +27,8 @@ PLANS = [  # (options, device, dataset, trivial, the plan)
     ({"num_workers": 2}, CUDA, IN_MEMORY, True, LoaderPlan(workers=2)),  # trivial runs in CPU workers
     ({"loader": "workers", "num_workers": 2}, CUDA, IN_MEMORY, False, LoaderPlan(workers=2)),
     ({"num_workers": 2}, CPU, OWN, False, LoaderPlan(from_disk=True, workers=2)),  # a builder's own Dataset
-    ({"num_workers": 3}, CUDA, ENCODED, False, LoaderPlan(False, True, "gpu", True, 3)),  # decode=auto, few CPUs
+    # decode=auto, few CPUs: DALI where it is installed (requirements.txt, on Linux x86-64), else GPU decoding
+    ({"num_workers": 3}, CUDA, ENCODED, False, LoaderPlan(False, True, FEW_CPUS, True, 3)),
     # decode=auto, CPUs enough: the workers crop until the GPU is seen waiting for them (crop_measured)
     ({"num_workers": 8}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 8, crop_measured=True)),
     ({"num_workers": 4, "crop": "workers"}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
@@ -48,9 +50,12 @@ PLANS = [  # (options, device, dataset, trivial, the plan)
         False,
         LoaderPlan(False, True, "split", True, 4, gpu_share=0.3, gpu_workers=3),
     ),
+    ({"num_workers": 4, "decode": "dali"}, CUDA, ENCODED, False, LoaderPlan(False, True, "dali", True, 4)),
+    ({"num_workers": 0, "decode": "dali"}, CPU, ENCODED, False, LoaderPlan(False, True, "dali", True, 1)),  # a thread
 ]
-NAMES = ["resident", "workers", "workers", "workers", "workers", "decode-gpu", "decode-cpu", "decode-cpu", "decode-cpu"]
-NAMES += ["decode-cpu", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split"]
+NAMES = ["resident", "workers", "workers", "workers", "workers", f"decode-{FEW_CPUS}", "decode-cpu", "decode-cpu"]
+NAMES += ["decode-cpu", "decode-cpu", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split"]
+NAMES += ["decode-dali", "decode-dali"]
 
 
 @pytest.mark.parametrize("case, name", list(zip(PLANS, NAMES)))

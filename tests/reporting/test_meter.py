@@ -64,6 +64,9 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
         ("decode-split", 4, True, 0.31, "give each GPU more CPUs"),
         ("decode-gpu", 3, True, 0.14, None),  # the default with 3 workers: 0.69x the ceiling, GPU data wait 14 %
         ("decode-gpu", 3, True, 0.87, "from 6 CPU workers per GPU, data.decode=auto decodes on the CPU"),
+        ("decode-gpu", 3, True, 0.30, "or data.decode=dali (NVIDIA DALI: 1.25x at 4 CPUs per GPU)"),
+        ("decode-dali", 3, True, 0.18, None),  # 4 CPUs, one H200: 0.985x DALI's own pipeline (dali-engine)
+        ("decode-dali", 3, True, 0.35, "DALI's 3 threads per process do not keep up: give each GPU more CPUs"),
         ("workers", 8, False, 0.40, "data.loader=resident"),
         ("decode-cpu", 0, True, 0.90, "data.num_workers=auto starts a worker per CPU"),
         ("decode-gpu", 0, True, 0.90, "data.num_workers=0 decodes in the training process"),

@@ -1,0 +1,173 @@
+"""data.decode=dali: images read from disk, decoded, cropped and resized by an NVIDIA DALI pipeline in the training
+process. DALI decodes in threads of its own, outside Python's interpreter lock, and on the GPU's hardware JPEG
+decoder where there is one: where a host has few CPUs per GPU, it keeps the GPU fed where DataLoader workers
+cannot (docs/data.md). It decodes only each training crop's region.
+
+ddplab still draws every crop and flip from (seed, epoch, sample id) (src/data/augment.py) and passes them in, so
+the batches hold the same crops of the same samples as on every other path, for any strategy, world size or
+resume; the pixels differ from the CPU decoder's by DALI's JPEG decoding, as nvjpeg's do (data.decode=gpu).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from src.config.errors import ConfigError
+from src.data.augment import DiskCrops, eval_geometry, rrc_params
+from src.data.datasets import DataBundle
+from src.data.decode import encoded_size
+from src.data.fetch import SPLITS, Fetched
+
+# batches handed to DALI ahead of the one the trainer takes: its threads and the GPU decode them meanwhile
+AHEAD = 3
+
+
+class DaliCrops:
+    """Each batch of sample ids -> Fetched uint8 crops (B x 3 x size, channels_last) on `device`: a training
+    batch's random resized crops, else each image's centre crop (`DiskCrops`' geometry). One pipeline for both:
+    decode the box, resize it, cut the centre, mirror. On a CPU device DALI runs on the CPU."""
+
+    def __init__(self, data: DataBundle, crops: DiskCrops, device: torch.device, threads: int):
+        self.splits = {k: getattr(data, k) for k in SPLITS}
+        self.crops, self.device, self.threads = crops, device, max(1, threads)
+        self.sizes = {k: np.full((len(self.splits[k]), 2), -1, dtype=np.int64) for k in SPLITS}  # read once
+        self.pipe, self.capacity = None, 0
+        self.pending: collections.deque = collections.deque()  # (split, ids) handed to DALI, not yet taken
+
+    def _build(self, capacity: int) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+
+        gpu = self.device.type == "cuda"
+
+        # depth 1: ddplab hands in batches ahead itself (AHEAD); DALI's own prefetching waits for inputs given
+        # ahead of each batch taken
+        @pipeline_def(
+            batch_size=capacity,
+            num_threads=self.threads,
+            device_id=self.device.index if gpu else None,
+            prefetch_queue_depth=1,
+        )
+        def crops():
+            def given(name, dtype, ndim=1):
+                return fn.external_source(name=name, dtype=dtype, ndim=ndim)
+
+            data = given("bytes", types.UINT8)
+            box_at, box, resized = (
+                given("box_at", types.INT32),
+                given("box", types.INT32),
+                given("resized", types.FLOAT),
+            )
+            cut_at, flip = given("cut_at", types.INT32), given("flip", types.INT32, ndim=0)
+            images = fn.decoders.image_slice(
+                data,
+                box_at,
+                box,
+                device="mixed" if gpu else "cpu",
+                output_type=types.RGB,
+                axis_names="HW",
+                adjust_orientation=False,  # as decode_cpu: the stored orientation
+            )
+            images = fn.resize(images, size=resized, antialias=True)
+            images = fn.slice(images, cut_at, np.array(self.crops.size, dtype=np.int32), axis_names="HW")
+            return fn.flip(images, horizontal=flip)
+
+        self.pipe = crops()
+        self.pipe.build()
+        self.capacity = capacity
+
+    def _sizes(self, split: str, ids: np.ndarray, datas: list) -> np.ndarray:
+        """(height, width) of each image, read from its header the first time it is asked for."""
+        sizes, files = self.sizes[split], self.splits[split].files
+        for k in np.flatnonzero(sizes[ids, 0] < 0).tolist():
+            sizes[ids[k]] = encoded_size(datas[k], files.name(int(ids[k])))
+        return sizes[ids]
+
+    def _give(self, split: str, epoch: int | None, ids: torch.Tensor) -> None:
+        """Hand DALI one batch: the bytes, and where each image is cut, resized to and cropped."""
+        files, n = self.splits[split].files, len(ids)
+        datas = files.read(ids.tolist())
+        for data in datas:
+            if isinstance(data, ConfigError):
+                raise data
+        sizes = self._sizes(split, ids.numpy(), datas)
+        heights, widths = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+        if epoch is not None and self.crops.random:  # the training crops: the box, resized to the size
+            boxes, flips = rrc_params(
+                self.crops.seed, epoch, ids.numpy(), heights, widths, self.crops.scale, self.crops.ratio
+            )
+            box_at, box = boxes[:, :2], boxes[:, 2:]
+            resized, cut_at = np.tile(np.asarray(self.crops.size), (n, 1)), np.zeros((n, 2))
+        else:  # the whole image, its shorter side resized to `short`, then the centre
+            geometry = [eval_geometry(h, w, self.crops.short, self.crops.size) for h, w in zip(heights, widths)]
+            box_at, box, flips = np.zeros((n, 2)), sizes, np.zeros(n, dtype=bool)
+            resized, cut_at = (np.array([g[k] for g in geometry]) for k in (0, 1))
+        pipe = self.pipe
+        pipe.feed_input("bytes", [np.frombuffer(data, dtype=np.uint8) for data in datas])
+        for name, value, dtype in (
+            ("box_at", box_at, np.int32),
+            ("box", box, np.int32),
+            ("resized", resized, np.float32),
+            ("cut_at", cut_at, np.int32),
+            ("flip", flips, np.int32),
+        ):
+            pipe.feed_input(name, np.ascontiguousarray(value, dtype=dtype))
+        pipe.schedule_run()
+        self.pending.append((split, ids))
+
+    def _take(self) -> Fetched:
+        """The oldest batch handed in, as a Fetched of uint8 NCHW (channels_last) images on the device."""
+        split, ids = self.pending.popleft()
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
+        try:
+            (out,) = self.pipe.share_outputs(stream)  # ready in the order of this process's stream
+        except RuntimeError as exc:  # DALI's pipeline is no longer usable after an error
+            self.pipe = None
+            raise self._unreadable(split, ids, str(exc)) from None
+        try:
+            dense = out.as_tensor()
+            if cuda:
+                from nvidia.dali.plugin.pytorch import feed_ndarray
+
+                x = torch.empty(dense.shape(), dtype=torch.uint8, device=self.device)
+                feed_ndarray(dense, x, cuda_stream=stream)
+            else:
+                x = torch.from_numpy(np.array(dense))
+        finally:
+            self.pipe.release_outputs()
+        return Fetched(x.permute(0, 3, 1, 2), self.splits[split].labels[ids], ids)
+
+    def _unreadable(self, split: str, ids: torch.Tensor, said: str) -> ConfigError:
+        """DALI's error as one line: the file named where DALI says which sample of the batch failed."""
+        failed = re.search(r"sample #(\d+)", said)
+        if failed and int(failed[1]) < len(ids):
+            name = self.splits[split].files.name(int(ids[int(failed[1])]))
+            return ConfigError(f"{name}: cannot read this image (DALI could not decode it); remove or replace the file")
+        return ConfigError(f"DALI could not decode an image of this {split} batch; data.decode=cpu names the file")
+
+    def __call__(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[Fetched]:
+        """The batches of sample ids of one pass, in order, AHEAD of them in DALI at a time."""
+        while self.pending:  # a pass left before its end (an evaluation limit, a stop): its batches are dropped
+            self._take()
+        biggest = max(map(len, batches), default=0)
+        if self.pipe is None or biggest > self.capacity:
+            self._build(max(biggest, self.capacity))
+        waiting = iter(batches)
+        for ids in waiting:
+            self._give(split, epoch, ids)
+            if len(self.pending) >= AHEAD:
+                break
+        while self.pending:
+            fetched = self._take()
+            ids = next(waiting, None)
+            if ids is not None:
+                self._give(split, epoch, ids)
+            yield fetched
+
+    def close(self) -> None:
+        self.pipe, self.pending = None, collections.deque()
