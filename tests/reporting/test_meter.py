@@ -50,7 +50,7 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
 @pytest.mark.parametrize(
     "loader, workers, from_disk, wait, says",
     [  # rows of bench/results/{decode-default*,resnet50-split-loop_2xh200_2026-11-27,resnet50-ddp4-regions*}.md
-        ("decode-cpu", 4, True, 0.55, "only 4 CPU workers per process decode: try data.decode=gpu"),
+        ("decode-cpu", 4, True, 0.55, "only 4 CPU workers per process decode: try data.decode=dali (NVIDIA DALI"),
         ("decode-cpu", 8, True, 0.29, "its 8 CPU workers per process do not keep up: give each GPU more CPUs"),
         ("decode-cpu", 15, True, 0.25, "or data.crop=device (the workers only decode and cut the crops"),
         # ddp x4 on the CPU-bound 4 x H200 host of decode-default-more-hosts: crop=device 1.24x; 4 x H100 host B 1.08x
