@@ -147,7 +147,10 @@ class DaliCrops:
         failed = re.search(r"sample #(\d+)", said)
         if failed and int(failed[1]) < len(ids):
             name = self.splits[split].files.name(int(ids[int(failed[1])]))
-            return ConfigError(f"{name}: cannot read this image (DALI could not decode it); remove or replace the file")
+            return ConfigError(
+                f"{name}: DALI could not decode this image; remove or replace the file (data.decode=cpu reads more "
+                "formats and names what is wrong)"
+            )
         return ConfigError(f"DALI could not decode an image of this {split} batch; data.decode=cpu names the file")
 
     def __call__(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[Fetched]:

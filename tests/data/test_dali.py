@@ -73,6 +73,33 @@ def test_dali_gives_the_cpu_paths_crops_of_every_format(tmp_path):
     assert levels(dali[0][0], cpu[0][0], data).mean() * 10 < levels(dali[0][0], elsewhere[0][0], data).mean()
 
 
+@pytest.mark.parametrize("kind", ["rgba.png", "16bit.png", "palette.png", "bmp", "webp", "tif"])
+def test_dali_reads_the_other_formats_as_the_cpu_path(tmp_path, kind):
+    """Alpha dropped, 16-bit samples cut to 8, palettes expanded, BMP, lossless WEBP and TIFF: as decode_cpu reads
+    them, within the resize filter's rounding."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = np.array(Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((40, 30), 3))
+    image = {
+        "rgba.png": lambda: Image.fromarray(pixels).convert("RGBA"),
+        "16bit.png": lambda: Image.fromarray(pixels[..., 0].astype(np.uint16) * 257),
+        "palette.png": lambda: Image.fromarray(pixels).convert("P"),
+    }.get(kind, lambda: Image.fromarray(pixels))()
+    for split, n in (("train", 4), ("test", 2)):
+        for c in ("a", "b"):
+            (tmp_path / "tree" / split / c).mkdir(parents=True)
+            for i in range(n):
+                image.save(
+                    tmp_path / "tree" / split / c / f"{i}.{kind.split('.')[-1]}",
+                    **({"lossless": True} if kind == "webp" else {}),
+                )
+    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
+    (dali, _), (cpu, _) = dali_and_cpu(data, cfg, epoch_and_test(steps, 0, 0))
+    assert levels(dali[0][0], cpu[0][0], data).mean() < 0.5
+
+
 def test_two_ranks_and_a_resumed_epoch_get_the_single_rank_crops(tmp_path):
     """The crops come from (seed, epoch, sample id): each sample is the same image whether one rank or two ask for
     it, and when a resumed epoch starts at its third step in a fresh loader."""
@@ -131,8 +158,16 @@ def test_an_unreadable_image_is_one_line_naming_it(tmp_path, damage):
             list(loader.train_batches(steps, 0))
         finally:
             loader.close()
-    why = "not an image format PIL can read" if damage == "header" else "DALI could not decode it"
-    assert str(info.value) == f"{bad}: cannot read this image ({why}); remove or replace the file"
+    if damage == "header":
+        assert (
+            str(info.value)
+            == f"{bad}: cannot read this image (not an image format PIL can read); remove or replace the file"
+        )
+    else:
+        assert str(info.value) == (
+            f"{bad}: DALI could not decode this image; remove or replace the file (data.decode=cpu reads more "
+            "formats and names what is wrong)"
+        )
 
 
 @pytest.mark.parametrize(
