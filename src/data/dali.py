@@ -25,6 +25,15 @@ from src.data.fetch import SPLITS, Fetched
 
 # batches handed to DALI ahead of the one the trainer takes: its threads and the GPU decode them meanwhile
 AHEAD = 3
+# the first bytes of the formats DALI's decoders read (JPEG, PNG, BMP, TIFF, PNM, JPEG 2000); WEBP: RIFF....WEBP
+DALI_FORMATS = (b"\xff\xd8\xff", b"\x89PNG", b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP", b"\xffO\xffQ")
+DALI_FORMATS += tuple(f"P{k}".encode() for k in range(1, 7))
+
+
+def dali_reads(data) -> bool:
+    """Whether DALI's decoders take this file, from its first bytes (GIF, for one, only the CPU path reads)."""
+    head = bytes(memoryview(data)[:12])
+    return head.startswith(DALI_FORMATS) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
 class DaliCrops:
@@ -81,10 +90,16 @@ class DaliCrops:
         self.capacity = capacity
 
     def _sizes(self, split: str, ids: np.ndarray, datas: list) -> np.ndarray:
-        """(height, width) of each image, read from its header the first time it is asked for."""
+        """(height, width) of each image, read from its header the first time it is asked for; then whether DALI
+        takes its format."""
         sizes, files = self.sizes[split], self.splits[split].files
         for k in np.flatnonzero(sizes[ids, 0] < 0).tolist():
-            sizes[ids[k]] = encoded_size(datas[k], files.name(int(ids[k])))
+            name = files.name(int(ids[k]))
+            size = encoded_size(datas[k], name)
+            if not dali_reads(datas[k]):
+                formats = "JPEG, PNG, BMP, TIFF, PNM, JPEG 2000, WEBP"
+                raise ConfigError(f"{name}: not a format DALI decodes ({formats}); use data.decode=cpu")
+            sizes[ids[k]] = size
         return sizes[ids]
 
     def _give(self, split: str, epoch: int | None, ids: torch.Tensor) -> None:

@@ -170,6 +170,25 @@ def test_an_unreadable_image_is_one_line_naming_it(tmp_path, damage):
         )
 
 
+def test_a_format_only_the_cpu_path_reads_is_one_line_naming_it(tmp_path):
+    """A GIF saved under a .jpg name: decode_cpu reads it, DALI does not; the run says so before DALI sees it."""
+    from PIL import Image
+
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    gif = tmp_path / "tree/train/a/1.jpg"
+    Image.fromarray(np.zeros((20, 30, 3), dtype=np.uint8)).convert("P").save(gif, "GIF")
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
+    steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    with pytest.raises(ConfigError) as info:
+        try:
+            list(loader.train_batches(steps, 0))
+        finally:
+            loader.close()
+    formats = "JPEG, PNG, BMP, TIFF, PNM, JPEG 2000, WEBP"
+    assert str(info.value) == f"{gif}: not a format DALI decodes ({formats}); use data.decode=cpu"
+
+
 @pytest.mark.parametrize(
     "option,said",
     [
