@@ -14,8 +14,10 @@ from src.config.errors import ConfigError
 from src.data.epoch import plan_epoch
 from src.data.loader_plan import LoaderOptions, resolve_plan
 from src.data.loaders import DaliLoader, build_loader
+from src.run.launch import main as launch
 from src.run.trainer import train
-from tests.conftest import make_cfg
+from src.state.checkpoint import find
+from tests.conftest import assert_same_weights, make_cfg, read_metrics
 from tests.data.test_decode import disk_data, one_cpu, write_tree  # noqa: F401 (one_cpu: a fixture)
 
 pytest.importorskip("nvidia.dali", reason="DALI installs on Linux x86-64 only (requirements.txt)")
@@ -238,6 +240,23 @@ def test_a_run_with_dali_trains_and_records_it(tmp_path):
     assert metrics["test_count"] == 8 and np.isfinite(metrics["test_loss"])
     assert '"loader": "decode-dali"' in record and '"num_workers": 2' in record
     assert abs(metrics["test_loss"] - runs["cpu"][0]["test_loss"]) < 0.05
+
+
+@pytest.mark.slow
+def test_two_ranks_with_dali_end_where_single_ends(tmp_path):
+    """ddp x2 over gloo, each rank with a DALI pipeline of its own: every sample decoded and cropped as on one
+    device, so the weights end the same."""
+    write_tree(tmp_path / "tree", per_class=(16, 4))
+    same = (
+        *("data=imagefolder", f"data.root={tmp_path / 'tree'}", "data.image_size=16", "data.val_fraction=0"),
+        *("data.augment=random_resized_crop", "data.decode=dali", "data.num_workers=1", "data.batch_size=8"),
+        *("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1"),
+    )
+    train(make_cfg(tmp_path / "single", *same))
+    launch(make_cfg(tmp_path / "ddp", *same, "strategy=ddp", "trainer.devices=2"))
+    single, ddp = (find(tmp_path / k / "run/checkpoints", "last") for k in ("single", "ddp"))
+    assert_same_weights(single, ddp)
+    assert read_metrics(tmp_path / "ddp/run")["hparams"]["loader"] == "decode-dali"
 
 
 # --- on CUDA (the GPU machine): DALI's mixed decoder and the hardware JPEG engine ---------------------------
