@@ -5,7 +5,8 @@ cannot (docs/data.md). It decodes only each training crop's region.
 
 ddplab still draws every crop and flip from (seed, epoch, sample id) (src/data/augment.py) and passes them in, so
 the batches hold the same crops of the same samples as on every other path, for any strategy, world size or
-resume; the pixels differ from the CPU decoder's by DALI's JPEG decoding, as nvjpeg's do (data.decode=gpu).
+resume; the pixels differ from the CPU path's by DALI's JPEG decoder (as nvjpeg's do, data.decode=gpu) and resize
+filter.
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ class DaliCrops:
 
     def __call__(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[Fetched]:
         """The batches of sample ids of one pass, in order, AHEAD of them in DALI at a time."""
+        if self.pipe is None:  # no pipeline yet, or one DALI gave up on: nothing handed in can come out
+            self.pending.clear()
         while self.pending:  # a pass left before its end (an evaluation limit, a stop): its batches are dropped
             self._take()
         biggest = max(map(len, batches), default=0)
