@@ -44,7 +44,7 @@ class DaliCrops:
 
     def __init__(self, data: DataBundle, crops: DiskCrops, device: torch.device, threads: int):
         self.splits = {k: getattr(data, k) for k in SPLITS}
-        self.crops, self.device, self.threads = crops, device, max(1, threads)
+        self.crops, self.device, self.threads = crops, device, threads
         self.sizes = {k: np.full((len(self.splits[k]), 2), -1, dtype=np.int64) for k in SPLITS}  # read once
         self.pipe, self.capacity = None, 0
         self.pending: collections.deque = collections.deque()  # (split, ids) handed to DALI, not yet taken
@@ -110,12 +110,11 @@ class DaliCrops:
         for data in datas:
             if isinstance(data, ConfigError):
                 raise data
-        sizes = self._sizes(split, ids.numpy(), datas)
+        rows = ids.numpy()
+        sizes = self._sizes(split, rows, datas)
         heights, widths = sizes[:, 0].tolist(), sizes[:, 1].tolist()
         if epoch is not None and self.crops.random:  # the training crops: the box, resized to the size
-            boxes, flips = rrc_params(
-                self.crops.seed, epoch, ids.numpy(), heights, widths, self.crops.scale, self.crops.ratio
-            )
+            boxes, flips = rrc_params(self.crops.seed, epoch, rows, heights, widths, self.crops.scale, self.crops.ratio)
             box_at, box = boxes[:, :2], boxes[:, 2:]
             resized, cut_at = np.tile(np.asarray(self.crops.size), (n, 1)), np.zeros((n, 2))
         else:  # the whole image, its shorter side resized to `short`, then the centre

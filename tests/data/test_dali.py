@@ -58,6 +58,15 @@ def levels(a: torch.Tensor, b: torch.Tensor, data) -> torch.Tensor:
     return ((a - b) * torch.tensor(data.std).view(1, 3, 1, 1) * 255).abs()
 
 
+def dali_epoch(data, cfg, steps, epoch: int) -> list[torch.Tensor]:
+    """The images of each training batch of `steps` from a fresh loader of `cfg` (data.decode=dali), closed after."""
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        return [b.x for b in loader.train_batches(steps, epoch)]
+    finally:
+        loader.close()
+
+
 def test_dali_gives_the_cpu_paths_crops_of_every_format(tmp_path):
     """Training crops (random resized, drawn by ddplab) and evaluation centre crops, for JPEG (progressive,
     grayscale, CMYK) and PNG: the same samples and labels in the same order, the pixels a level or so apart
@@ -109,20 +118,12 @@ def test_two_ranks_and_a_resumed_epoch_get_the_single_rank_crops(tmp_path):
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
     single = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=1)
     ranks = [plan_epoch(len(data.train), 8, 2, r, 1, seed=7, epoch=1) for r in (0, 1)]
-
-    def epoch(steps):
-        loader = build_loader(data, cfg.data, CPU, False, seed=7)
-        try:
-            return [b.x for b in loader.train_batches(steps, 1)]
-        finally:
-            loader.close()
-
-    one, two = epoch(single), [epoch(plan) for plan in ranks]
+    one, two = dali_epoch(data, cfg, single, 1), [dali_epoch(data, cfg, plan, 1) for plan in ranks]
     for k, step in enumerate(single):
         by_id = dict(zip(step.micro[0].tolist(), one[k]))
         union = [(i, x) for r in (0, 1) for i, x in zip(ranks[r][k].micro[0].tolist(), two[r][k])]
         assert sorted(i for i, _ in union) == sorted(by_id) and all(torch.equal(x, by_id[i]) for i, x in union)
-    resumed = epoch(single[1:])
+    resumed = dali_epoch(data, cfg, single[1:], 1)
     assert len(resumed) == len(single) - 1 and all(torch.equal(a, b) for a, b in zip(one[1:], resumed))
 
 
@@ -154,12 +155,8 @@ def test_an_unreadable_image_is_one_line_naming_it(tmp_path, damage):
     bad.write_bytes(b"not an image at all" if damage == "header" else blob[: len(blob) // 2])
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
     steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
-    loader = build_loader(data, cfg.data, CPU, False, seed=7)
     with pytest.raises(ConfigError) as info:
-        try:
-            list(loader.train_batches(steps, 0))
-        finally:
-            loader.close()
+        dali_epoch(data, cfg, steps, 0)
     if damage == "header":
         assert (
             str(info.value)
@@ -181,12 +178,8 @@ def test_a_format_only_the_cpu_path_reads_is_one_line_naming_it(tmp_path):
     Image.fromarray(np.zeros((20, 30, 3), dtype=np.uint8)).convert("P").save(gif, "GIF")
     data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
     steps = plan_epoch(len(data.train), 8, 1, 0, 1, seed=7, epoch=0)
-    loader = build_loader(data, cfg.data, CPU, False, seed=7)
     with pytest.raises(ConfigError) as info:
-        try:
-            list(loader.train_batches(steps, 0))
-        finally:
-            loader.close()
+        dali_epoch(data, cfg, steps, 0)
     formats = "JPEG, PNG, BMP, TIFF, PNM, JPEG 2000, WEBP"
     assert str(info.value) == f"{gif}: not a format DALI decodes ({formats}); use data.decode=cpu"
 
