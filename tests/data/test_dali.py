@@ -169,6 +169,24 @@ def test_an_unreadable_image_is_one_line_naming_it(tmp_path, damage):
         )
 
 
+def test_a_pass_after_dali_gave_up_starts_a_new_pipeline(tmp_path):
+    """DALI's pipeline is gone after a decoding error, with batches still handed in: a later pass (the evaluation
+    of a run that goes on, here of readable test images) builds a new one instead of asking the old."""
+    write_tree(tmp_path / "tree", per_class=(4, 2))
+    bad = tmp_path / "tree/train/b/2.jpg"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        with pytest.raises(ConfigError, match="DALI could not decode this image"):
+            list(loader.train_batches(plan_epoch(len(data.train), 2, 1, 0, 1, seed=7, epoch=0), 0))
+        assert loader.dali.pending  # batches after the bad one were handed in
+        tests = list(loader.eval_batches("test", torch.arange(4), 2))
+    finally:
+        loader.close()
+    assert [x.shape for x, _ in tests] == [(2, 3, 16, 16)] * 2
+
+
 def test_a_format_only_the_cpu_path_reads_is_one_line_naming_it(tmp_path):
     """A GIF saved under a .jpg name: decode_cpu reads it, DALI does not; the run says so before DALI sees it."""
     from PIL import Image
