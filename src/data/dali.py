@@ -12,8 +12,10 @@ filter.
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -47,7 +49,10 @@ class DaliCrops:
         self.crops, self.device, self.threads = crops, device, threads
         self.sizes = {k: np.full((len(self.splits[k]), 2), -1, dtype=np.int64) for k in SPLITS}  # read once
         self.pipe, self.capacity = None, 0
-        self.pending: collections.deque = collections.deque()  # (split, ids) handed to DALI, not yet taken
+        # a thread reads each batch and draws its crops while the trainer steps, off the training thread
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="dali-read")
+        self.reading: collections.deque[tuple[str, torch.Tensor, Future]] = collections.deque()
+        self.pending: collections.deque = collections.deque()  # (split, ids, inputs) handed to DALI, not yet taken
 
     def _build(self, capacity: int) -> None:
         from nvidia.dali import fn, pipeline_def, types
@@ -63,8 +68,8 @@ class DaliCrops:
             prefetch_queue_depth=1,
         )
         def crops():
-            def given(name, dtype, ndim=1):
-                return fn.external_source(name=name, dtype=dtype, ndim=ndim)
+            def given(name, dtype, ndim=1):  # no_copy: the inputs are kept until their batch is taken
+                return fn.external_source(name=name, dtype=dtype, ndim=ndim, no_copy=True)
 
             data = given("bytes", types.UINT8)
             box_at, box, resized = (
@@ -72,7 +77,6 @@ class DaliCrops:
                 given("box", types.INT32),
                 given("resized", types.FLOAT),
             )
-            cut_at, flip = given("cut_at", types.INT32), given("flip", types.INT32, ndim=0)
             images = fn.decoders.image_slice(
                 data,
                 box_at,
@@ -83,8 +87,19 @@ class DaliCrops:
                 adjust_orientation=False,  # as decode_cpu: the stored orientation
             )
             images = fn.resize(images, size=resized, antialias=True)
-            images = fn.slice(images, cut_at, np.array(self.crops.size, dtype=np.int32), axis_names="HW")
-            return fn.flip(images, horizontal=flip)
+            # the cut and the mirror in one operator, uint8 in and out (mean 0, std 1: no normalizing)
+            return fn.crop_mirror_normalize(
+                images,
+                crop=list(self.crops.size),
+                crop_pos_y=given("cut_y", types.FLOAT, ndim=0),
+                crop_pos_x=given("cut_x", types.FLOAT, ndim=0),
+                rounding="round",
+                mirror=given("flip", types.INT32, ndim=0),
+                dtype=types.UINT8,
+                output_layout="HWC",
+                mean=0.0,
+                std=1.0,
+            )
 
         self.pipe = crops()
         self.pipe.build()
@@ -103,8 +118,9 @@ class DaliCrops:
             sizes[ids[k]] = size
         return sizes[ids]
 
-    def _give(self, split: str, epoch: int | None, ids: torch.Tensor) -> None:
-        """Hand DALI one batch: the bytes, and where each image is cut, resized to and cropped."""
+    def _inputs(self, split: str, epoch: int | None, ids: torch.Tensor) -> dict[str, object]:
+        """One batch's inputs to DALI (in the reader thread): the bytes, and where each image is cut, resized to
+        and cropped."""
         files, n = self.splits[split].files, len(ids)
         datas = files.read(ids.tolist())
         for data in datas:
@@ -121,22 +137,36 @@ class DaliCrops:
             geometry = [eval_geometry(h, w, self.crops.short, self.crops.size) for h, w in zip(heights, widths)]
             box_at, box, flips = np.zeros((n, 2)), sizes, np.zeros(n, dtype=bool)
             resized, cut_at = (np.array([g[k] for g in geometry]) for k in (0, 1))
-        pipe = self.pipe
-        pipe.feed_input("bytes", [np.frombuffer(data, dtype=np.uint8) for data in datas])
+        # where the cut starts, as a share of the room the resized image leaves around it (0 when it leaves none)
+        room = np.maximum(resized - np.asarray(self.crops.size), 1)
+        cut_y, cut_x = (cut_at / room).T
+        inputs: dict[str, object] = {"bytes": [np.frombuffer(data, dtype=np.uint8) for data in datas]}
         for name, value, dtype in (
             ("box_at", box_at, np.int32),
             ("box", box, np.int32),
             ("resized", resized, np.float32),
-            ("cut_at", cut_at, np.int32),
+            ("cut_y", cut_y, np.float32),
+            ("cut_x", cut_x, np.float32),
             ("flip", flips, np.int32),
         ):
-            pipe.feed_input(name, np.ascontiguousarray(value, dtype=dtype))
-        pipe.schedule_run()
-        self.pending.append((split, ids))
+            inputs[name] = np.ascontiguousarray(value, dtype=dtype)
+        return inputs
+
+    def _read(self, split: str, epoch: int | None, ids: torch.Tensor) -> None:
+        self.reading.append((split, ids, self.reader.submit(self._inputs, split, epoch, ids)))
+
+    def _give(self) -> None:
+        """Hand DALI the oldest batch read."""
+        split, ids, future = self.reading.popleft()
+        inputs = future.result()
+        for name, value in inputs.items():
+            self.pipe.feed_input(name, value)
+        self.pipe.schedule_run()
+        self.pending.append((split, ids, inputs))
 
     def _take(self) -> Fetched:
         """The oldest batch handed in, as a Fetched of uint8 NCHW (channels_last) images on the device."""
-        split, ids = self.pending.popleft()
+        split, ids, _ = self.pending.popleft()  # its inputs are no longer needed once its outputs are taken
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
         try:
@@ -169,25 +199,35 @@ class DaliCrops:
         return ConfigError(f"DALI could not decode an image of this {split} batch; data.decode=cpu names the file")
 
     def __call__(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[Fetched]:
-        """The batches of sample ids of one pass, in order, AHEAD of them in DALI at a time."""
-        if self.pipe is None:  # no pipeline yet, or one DALI gave up on: nothing handed in can come out
-            self.pending.clear()
-        while self.pending:  # a pass left before its end (an evaluation limit, a stop): its batches are dropped
-            self._take()
+        """The batches of sample ids of one pass, in order: AHEAD of them in DALI and one more read at a time."""
+        self._drop()
         biggest = max(map(len, batches), default=0)
         if self.pipe is None or biggest > self.capacity:
             self._build(max(biggest, self.capacity))
         waiting = iter(batches)
-        for ids in waiting:
-            self._give(split, epoch, ids)
-            if len(self.pending) >= AHEAD:
-                break
+        for ids in itertools.islice(waiting, AHEAD + 1):
+            self._read(split, epoch, ids)
+        while self.reading and len(self.pending) < AHEAD:
+            self._give()
         while self.pending:
             fetched = self._take()
+            if self.reading:
+                self._give()
             ids = next(waiting, None)
             if ids is not None:
-                self._give(split, epoch, ids)
+                self._read(split, epoch, ids)
             yield fetched
 
+    def _drop(self) -> None:
+        """What a pass left before its end (an evaluation limit, a stop, an error) left behind: its batches."""
+        while self.reading:
+            self.reading.popleft()[2].exception()  # wait for the read; its result or error is not wanted
+        if self.pipe is None:  # no pipeline yet, or one DALI gave up on: nothing handed in can come out
+            self.pending.clear()
+        while self.pending:
+            self._take()
+
     def close(self) -> None:
-        self.pipe, self.pending = None, collections.deque()
+        self.reader.shutdown(wait=True, cancel_futures=True)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="dali-read")  # an idle pool has no thread
+        self.pipe, self.pending, self.reading = None, collections.deque(), collections.deque()

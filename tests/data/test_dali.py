@@ -5,6 +5,7 @@ its "mixed" (GPU) decoder. The reference is ddplab's CPU path (data.decode=cpu).
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -143,6 +144,34 @@ def test_a_pass_left_early_leaves_nothing_in_the_next_and_bigger_batches_fit(tmp
         loader.close()
     assert len(again) == len(fresh) == 5 and all(torch.equal(a, b) for a, b in zip(fresh, again))
     assert whole.shape == (10, 3, 16, 16) and not rest
+
+
+def test_batches_are_read_off_the_training_thread_and_close_leaves_no_thread(tmp_path):
+    """The files of each batch are read (and its crops drawn) by a thread of the loader's, while the trainer
+    steps; the batches are those of a fresh loader. close() stops that thread; the loader still serves after."""
+    write_tree(tmp_path / "tree", per_class=(10, 5))
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.decode=dali")
+    steps = plan_epoch(len(data.train), 4, 1, 0, 1, seed=7, epoch=1)
+    files, readers = data.train.files, set()
+    read = files.read
+
+    def recorded(ids):
+        readers.add(threading.current_thread().name)
+        return read(ids)
+
+    loader = build_loader(data, cfg.data, CPU, False, seed=7)
+    try:
+        files.read = recorded
+        first = [b.x for b in loader.train_batches(steps, 1)]
+        loader.close()
+        assert not [t for t in threading.enumerate() if t.name.startswith("dali-read")]
+        again = [b.x for b in loader.train_batches(steps, 1)]
+    finally:
+        del files.read
+        loader.close()
+    assert readers and threading.current_thread().name not in readers
+    assert len(first) == 5 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, dali_epoch(data, cfg, steps, 1)))
 
 
 @pytest.mark.parametrize("damage", ["header", "truncated"])
