@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-dali bench-airbench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-dali bench-dali-engine bench-airbench slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -51,9 +51,16 @@ bench-strategies: install  ## single, ddp, fsdp on 2 and 4 GPUs, compiled, one t
 	$(PY) bench/strategies_table.py --scaling $(MODEL) $(ARGS)
 
 GPUS ?= 1
-bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU): SHARDS=<pack> GPUS=1|4
-	$(PY) -m torch.distributed.run --nproc-per-node $(GPUS) bench/dali_anchor.py --shards $(SHARDS) --mode loop \
-		--hw-decoder-load 0 --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
+DALI_HW ?= 0
+bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU): SHARDS=<pack> GPUS=1|4 DALI_HW=0|default
+	$(PY) bench/dali_anchor.py --gpus $(GPUS) --shards $(SHARDS) --mode loop \
+		$(if $(filter-out default,$(DALI_HW)),--hw-decoder-load $(DALI_HW)) --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
+
+bench-dali-engine: install  ## data.decode=dali and the default beside DALI's own pipeline, ResNet-50 on one GPU (GPU): SHARDS=<pack>
+	$(MAKE) --no-print-directory bench-dali SHARDS=$(SHARDS) GPUS=1 DALI_HW=default ARGS="--steps 300"
+	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus 1 --epochs 3 \
+		--decode dali,auto --workers auto --override trainer.limit_eval_batches=2 --only 'resnet50-single1-*' \
+		--out outputs/bench/dali-engine.json $(ARGS)
 
 bench-decode: install  ## the default data.decode vs each explicit choice on this host, loaders alone and ResNet-50 on 1 and GPUS GPUs (GPU): SHARDS=<pack> GPUS=4
 	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus $(GPUS) \

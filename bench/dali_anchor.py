@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """DALI's standard ResNet-50 training pipeline beside ddplab's loaders: the anchor of the disk path.
 
-    torchrun --nproc-per-node N bench/dali_anchor.py --shards data/il256 --mode loader|loop --out X.json
+    python bench/dali_anchor.py --gpus N --shards data/il256 --mode loader|loop --out X.json
 
 The pipeline is the one NVIDIA's ResNet-50 examples train with: `readers.file` (sharded by rank, shuffled),
 `decoders.image_random_crop` on device "mixed" (it decodes only the crop's region; the GPU's hardware JPEG
@@ -171,10 +171,16 @@ def main() -> int:
     p.add_argument("--warmup", type=positive, default=30, help="untimed steps first (compilation, autotuning)")
     p.add_argument("--steps", type=positive, default=200, help="timed steps")
     p.add_argument("--out", required=True, help="JSON file (rank 0 writes it)")
+    p.add_argument("--gpus", type=positive, default=1, help="ranks on this host, started by torchrun (default 1)")
     args = p.parse_args()
     refusal = refused(Path(args.shards))
     if refusal:
         sys.exit(f"dali_anchor.py: {refusal}")
+    if "LOCAL_RANK" not in os.environ:  # not started by a launcher: check here, then start the ranks
+        if args.gpus > torch.cuda.device_count():
+            sys.exit(f"dali_anchor.py: --gpus {args.gpus}: this host has {torch.cuda.device_count()} GPUs")
+        run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), __file__]
+        os.execv(sys.executable, [*run, *sys.argv[1:]])
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

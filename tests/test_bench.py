@@ -675,3 +675,18 @@ def test_data_no_configuration_could_read_is_one_line_before_any_starts(tmp_path
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"bench.py: error: {option}: {tmp_path / 'none'} "), last
     assert not (tmp_path / "b.json").exists()  # nothing ran
+
+
+def test_make_bench_dali_refuses_in_one_line_before_any_rank_starts(tmp_path):
+    """`make bench-dali` runs the anchor, which checks the machine and the pack before it starts its ranks with
+    torchrun: a refusal is the anchor's one line, not a rank's failure and torchrun's traceback."""
+    proc = subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", "bench-dali", f"SHARDS={tmp_path}", f"PY={sys.executable}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("make")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
+    assert len(said) == 1 and said[0].startswith("dali_anchor.py: "), proc.stderr
