@@ -8,7 +8,7 @@ SWEEP  ?=
 .PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-dali bench-dali-engine bench-airbench slurm-install clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
