@@ -166,7 +166,7 @@ class DaliCrops:
 
     def _take(self) -> Fetched:
         """The oldest batch handed in, as a Fetched of uint8 NCHW (channels_last) images on the device."""
-        split, ids, inputs = self.pending.popleft()  # DALI reads the inputs in place (no_copy): kept to the end
+        split, ids, inputs = self.pending.popleft()  # DALI reads `inputs` in place (no_copy): held until we return
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
         try:
@@ -185,7 +185,6 @@ class DaliCrops:
                 x = torch.from_numpy(np.array(dense))
         finally:
             self.pipe.release_outputs()
-        del inputs  # DALI is done with them once the outputs are released
         return Fetched(x.permute(0, 3, 1, 2), self.splits[split].labels[ids], ids)
 
     def _unreadable(self, split: str, ids: torch.Tensor, said: str) -> ConfigError:
