@@ -54,9 +54,10 @@ GPUS ?= 1
 DALI_HW ?= 0
 bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (GPU): SHARDS=<pack> GPUS=1|4 DALI_HW=0|default
 	$(PY) bench/dali_anchor.py --gpus $(GPUS) --shards $(SHARDS) --mode loop \
-		$(if $(filter-out default,$(DALI_HW)),--hw-decoder-load $(DALI_HW)) --out outputs/bench/dali-loop$(GPUS).json $(ARGS)
+		$(if $(filter-out default,$(DALI_HW)),--hw-decoder-load $(DALI_HW)) --out outputs/bench/dali-loop$(GPUS)-hw$(DALI_HW).json $(ARGS)
 
 bench-dali-engine: install  ## data.decode=dali and the default beside DALI's own pipeline, ResNet-50 on one GPU (GPU): SHARDS=<pack>
+	$(MAKE) --no-print-directory bench-dali SHARDS=$(SHARDS) GPUS=1 DALI_HW=0 ARGS="--steps 300"
 	$(MAKE) --no-print-directory bench-dali SHARDS=$(SHARDS) GPUS=1 DALI_HW=default ARGS="--steps 300"
 	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus 1 --epochs 3 \
 		--decode dali,auto --workers auto --override trainer.limit_eval_batches=2 --only 'resnet50-single1-*' \

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,9 @@ from src.data.augment import DiskCrops, eval_geometry, rrc_params
 from src.data.datasets import DataBundle
 from src.data.decode import encoded_size
 from src.data.fetch import SPLITS, Fetched
+from src.data.loader_plan import MIN_CPU_WORKERS
+
+log = logging.getLogger(__name__)
 
 # batches handed to DALI ahead of the one the trainer takes: its threads and the GPU decode them meanwhile
 AHEAD = 3
@@ -39,6 +43,13 @@ def dali_reads(data) -> bool:
     return head.startswith(DALI_FORMATS) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
+def decoder_options(gpu: bool, threads: int) -> dict[str, float]:
+    """The GPU decoder's options for this many DALI threads. From as many as data.decode=auto decodes on the CPU
+    with, the threads outpace the GPU's hardware JPEG decoder, so it is off (1.13x the images/s with 7 and 15 threads
+    on an H200); below, DALI's own share for it (1.11x off with 3): bench/results/dali-engine_h200_2026-11-29.md."""
+    return {"hw_decoder_load": 0.0} if gpu and threads >= MIN_CPU_WORKERS else {}
+
+
 class DaliCrops:
     """Each batch of sample ids -> Fetched uint8 crops (B x 3 x size, channels_last) on `device`: a training
     batch's random resized crops, else each image's centre crop (`DiskCrops`' geometry). One pipeline for both:
@@ -49,6 +60,9 @@ class DaliCrops:
         self.crops, self.device, self.threads = crops, device, threads
         self.sizes = {k: np.full((len(self.splits[k]), 2), -1, dtype=np.int64) for k in SPLITS}  # read once
         self.pipe, self.capacity = None, 0
+        if device.type == "cuda":
+            engine = "off" if decoder_options(True, threads) else "on, at DALI's default share"
+            log.info("DALI: %d threads, the GPU's hardware JPEG decoder %s", threads, engine)
         # a thread reads each batch and draws its crops while the trainer steps, off the training thread
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="dali-read")
         self.reading: collections.deque[tuple[str, torch.Tensor, Future]] = collections.deque()
@@ -58,6 +72,7 @@ class DaliCrops:
         from nvidia.dali import fn, pipeline_def, types
 
         gpu = self.device.type == "cuda"
+        options = decoder_options(gpu, self.threads)
 
         # depth 1: ddplab hands in batches ahead itself (AHEAD); DALI's own prefetching waits for inputs given
         # ahead of each batch taken
@@ -85,6 +100,7 @@ class DaliCrops:
                 output_type=types.RGB,
                 axis_names="HW",
                 adjust_orientation=False,  # as decode_cpu: the stored orientation
+                **options,
             )
             images = fn.resize(images, size=resized, antialias=True)
             # the cut and the mirror in one operator, uint8 in and out (mean 0, std 1: no normalizing)

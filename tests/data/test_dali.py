@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from src.config.errors import ConfigError
+from src.data.dali import decoder_options
 from src.data.epoch import plan_epoch
 from src.data.loader_plan import LoaderOptions, resolve_plan
 from src.data.loaders import DaliLoader, build_loader
@@ -258,6 +259,15 @@ def test_dali_threads_are_the_workers_count_and_one_on_one_cpu(caplog):
     assert resolve_plan(LoaderOptions("auto", 5, "dali"), CPU, False, True, False).workers == 5
 
 
+def test_the_hardware_jpeg_decoder_is_off_from_as_many_threads_as_auto_decodes_on_the_cpu_with():
+    """With 7 or 15 DALI threads per H200 the hardware JPEG decoder cost 12 % of ResNet-50's images/s, with 3 it
+    gave 11 % (bench/results/dali-engine_h200_2026-11-29.md): off from data.decode=auto's CPU-decoding threshold
+    (6 workers), DALI's own share below it; DALI on the CPU has no such decoder."""
+    assert [decoder_options(True, n) for n in (1, 3, 5)] == [{}] * 3
+    assert [decoder_options(True, n) for n in (6, 7, 15)] == [{"hw_decoder_load": 0.0}] * 3
+    assert decoder_options(False, 15) == {}
+
+
 def test_a_run_with_dali_trains_and_records_it(tmp_path):
     """train.py's loop end to end with data.decode=dali: every image seen, finite numbers, and the loader and its
     thread count in metrics.json's hparams; the same run with data.decode=cpu lands within DALI's rounding."""
@@ -303,11 +313,14 @@ def test_two_ranks_with_dali_end_where_single_ends(tmp_path):
 
 
 @pytest.mark.gpu
-def test_dali_on_cuda_gives_the_cpu_paths_crops(tmp_path):
+@pytest.mark.parametrize("threads, engine", [(2, "on, at DALI's default share"), (6, "off")])
+def test_dali_on_cuda_gives_the_cpu_paths_crops(tmp_path, caplog, threads, engine):
+    """With the hardware JPEG decoder on (few threads) and off (many), as the log line says."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    caplog.set_level(logging.INFO, logger="src.data.dali")
     write_tree(tmp_path / "tree", kinds=KINDS, per_class=(10, 5), smooth=True)
-    data, cfg = disk_data(tmp_path, tmp_path / "tree")
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", f"data.num_workers={threads}")
     steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
 
     def run(loader):
@@ -320,3 +333,4 @@ def test_dali_on_cuda_gives_the_cpu_paths_crops(tmp_path):
     dali, cpu = dali_and_cpu(data, cfg, run, torch.device("cuda"))
     for x, ref in zip(dali, cpu):  # nvjpeg's IDCT and chroma upsampling: a few levels (as data.decode=gpu)
         assert levels(x, ref, data).mean() < 5
+    assert f"DALI: {threads} threads, the GPU's hardware JPEG decoder {engine}" in caplog.messages
