@@ -46,7 +46,7 @@ def dali_reads(data) -> bool:
 def decoder_options(gpu: bool, threads: int) -> dict[str, float]:
     """The GPU decoder's options for this many DALI threads. From as many as data.decode=auto decodes on the CPU
     with, the threads outpace the GPU's hardware JPEG decoder, so it is off (1.13x the images/s with 7 and 15 threads
-    on an H200); below, DALI's own share for it (1.11x off with 3): bench/results/dali-engine_h200_2026-11-29.md."""
+    on an H200); below, DALI's own share for it (1.11x the decoder off, with 3): bench/results/dali-engine_*.md."""
     return {"hw_decoder_load": 0.0} if gpu and threads >= MIN_CPU_WORKERS else {}
 
 
