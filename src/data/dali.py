@@ -60,8 +60,9 @@ class DaliCrops:
         self.crops, self.device, self.threads = crops, device, threads
         self.sizes = {k: np.full((len(self.splits[k]), 2), -1, dtype=np.int64) for k in SPLITS}  # read once
         self.pipe, self.capacity = None, 0
+        self.decoder = decoder_options(device.type == "cuda", threads)
         if device.type == "cuda":
-            engine = "off" if decoder_options(True, threads) else "on, at DALI's default share"
+            engine = "off" if self.decoder else "on, at DALI's default share"
             log.info("DALI: %d threads, the GPU's hardware JPEG decoder %s", threads, engine)
         # a thread reads each batch and draws its crops while the trainer steps, off the training thread
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="dali-read")
@@ -72,7 +73,6 @@ class DaliCrops:
         from nvidia.dali import fn, pipeline_def, types
 
         gpu = self.device.type == "cuda"
-        options = decoder_options(gpu, self.threads)
 
         # depth 1: ddplab hands in batches ahead itself (AHEAD); DALI's own prefetching waits for inputs given
         # ahead of each batch taken
@@ -100,7 +100,7 @@ class DaliCrops:
                 output_type=types.RGB,
                 axis_names="HW",
                 adjust_orientation=False,  # as decode_cpu: the stored orientation
-                **options,
+                **self.decoder,
             )
             images = fn.resize(images, size=resized, antialias=True)
             # the cut and the mirror in one operator, uint8 in and out (mean 0, std 1: no normalizing)
