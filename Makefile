@@ -69,6 +69,13 @@ bench-decode: install  ## the default data.decode vs each explicit choice on thi
 		--only 'resnet50-ceiling-bf16-cl-cudagraphs,loader*,resnet50-single1-*,resnet50-ddp$(GPUS)-*' \
 		--out outputs/bench/decode$(GPUS).json $(ARGS)
 
+CPUS ?= 8 12 14 16
+bench-decode-cpus: install  ## the default data.decode beside CPU, GPU and DALI decoding, ResNet-50 on one GPU given each of CPUS CPUs (GPU, taskset): SHARDS=<pack>
+	for n in $(CPUS); do taskset -c 0-$$((n - 1)) $(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 \
+		--shards $(SHARDS) --gpus 1 --epochs 3 --decode auto,cpuauto,gpu,dali --workers auto \
+		--override trainer.limit_eval_batches=2 --only 'resnet50-single1-*' --out outputs/bench/decode-cpus$$n.json \
+		$(ARGS) || exit 1; done
+
 DATA ?= data/cifar10-jpeg
 bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>
 	$(PY) bench/airbench_anchor.py --data $(DATA) --out outputs/bench/airbench96.json $(ARGS)

@@ -85,6 +85,7 @@ DECODES = {
     "gpu": ("gpudecode", ["data.decode=gpu"]),
     "cpu": ("classic", ["data.decode=cpu", "data.crop=workers"]),
     "cpudecode": ("cpudecode", ["data.decode=cpu", "data.crop=device"]),
+    "cpuauto": ("cpuauto", ["data.decode=cpu"]),  # data.crop=auto: where the GPU's wait puts the crops
     "split": ("split", ["data.decode=split"]),
     "dali": ("dali", ["data.decode=dali"]),  # needs NVIDIA DALI (pip install nvidia-dali-cuda130)
 }
@@ -95,7 +96,8 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     the GPU (`gpu`) and the DataLoader with each --workers count (`classic<N>`). With --decode: images read
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
-    the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), or shared between N
+    the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), either as data.crop=auto
+    chooses (`cpuauto<N>`), or shared between N
     CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU), or by DALI
     in the training process with N threads (`dali<N>`); shard tags start with `shards-`."""
     workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host

@@ -210,13 +210,13 @@ def test_strategies_table_keeps_the_rows_of_finished_variants_when_it_is_stopped
 
 
 def test_each_decode_choice_runs_its_loader_alone(tmp_path):
-    """--decode cpu,cpudecode,split,dali: the workers crop (classic), only decode with the training process cropping
-    (cpudecode), share each batch with GPU-decoding workers (split; here those decode on the CPU device), or DALI
-    decodes in the training process (where installed); each loader-* run reads, decodes and crops real JPEGs, and
-    says which loader it measured."""
+    """--decode cpu,cpudecode,cpuauto,split,dali: the workers crop (classic), only decode with the training process
+    cropping (cpudecode), crop where data.crop=auto puts them (cpuauto), share each batch with GPU-decoding workers
+    (split; here those decode on the CPU device), or DALI decodes in the training process (where installed); each
+    loader-* run reads, decodes and crops real JPEGs, and says which loader it measured."""
     write_tree(tmp_path / "tree", per_class=(32, 4))
     out = tmp_path / "b.json"
-    decodes = "cpu,cpudecode,split" + (",dali" if dali_installed() else "")
+    decodes = "cpu,cpudecode,cpuauto,split" + (",dali" if dali_installed() else "")
     proc = bench(
         *("--smoke", "--decode", decodes, "--workers", "1", "--data-root", str(tmp_path / "tree")),
         *("--image-size", "16", "--batch", "4", "--loader-steps", "3", "--only", "loader-*", "--out", str(out)),
@@ -226,12 +226,14 @@ def test_each_decode_choice_runs_its_loader_alone(tmp_path):
     assert {name: r["loader_name"] for name, r in runs.items()} == {
         "loader-classic1": "decode-cpu",
         "loader-cpudecode1": "decode-cpu-crop-device",
+        "loader-cpuauto1": "decode-cpu",  # no GPU: the workers crop
         "loader-split1": "decode-split",
         **({"loader-dali1": "decode-dali"} if dali_installed() else {}),
     }
     assert all(r["ok"] and r["images_per_sec"] > 0 and 0 < r["pass_start_sec"] < 60 for r in runs.values())
     assert "data.crop=device" in runs["loader-cpudecode1"]["overrides"]
     assert "data.crop=workers" in runs["loader-classic1"]["overrides"]  # not auto's choice, which may move them
+    assert not any(o.startswith("data.crop=") for o in runs["loader-cpuauto1"]["overrides"])
     assert "pass start s" in proc.stdout
     # --workers auto: the default's worker count for this host (the CPUs but one, at most 16)
     proc = bench(

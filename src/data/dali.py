@@ -26,7 +26,6 @@ from src.data.augment import DiskCrops, eval_geometry, rrc_params
 from src.data.datasets import DataBundle
 from src.data.decode import encoded_size
 from src.data.fetch import SPLITS, Fetched
-from src.data.loader_plan import MIN_CPU_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,9 @@ AHEAD = 3
 # the first bytes of the formats DALI's decoders read (JPEG, PNG, BMP, TIFF, PNM, JPEG 2000); WEBP: RIFF....WEBP
 DALI_FORMATS = (b"\xff\xd8\xff", b"\x89PNG", b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP", b"\xffO\xffQ")
 DALI_FORMATS += tuple(f"P{k}".encode() for k in range(1, 7))
+# from this many threads they outpace the GPU's hardware JPEG decoder: 1.13x the images/s with it off with 7 and 15
+# threads per H200, 0.90x with 3 (bench/results/dali-engine_h200_2026-11-29.md)
+HW_DECODER_OFF_FROM_THREADS = 6
 
 
 def dali_reads(data) -> bool:
@@ -44,10 +46,9 @@ def dali_reads(data) -> bool:
 
 
 def decoder_options(gpu: bool, threads: int) -> dict[str, float]:
-    """The GPU decoder's options for this many DALI threads. From as many as data.decode=auto decodes on the CPU
-    with, the threads outpace the GPU's hardware JPEG decoder, so it is off (1.13x the images/s with 7 and 15 threads
-    on an H200); below, DALI's own share for it (1.11x the decoder off, with 3): bench/results/dali-engine_*.md."""
-    return {"hw_decoder_load": 0.0} if gpu and threads >= MIN_CPU_WORKERS else {}
+    """The GPU decoder's options for this many DALI threads: the hardware JPEG decoder off from
+    HW_DECODER_OFF_FROM_THREADS, DALI's own share for it below."""
+    return {"hw_decoder_load": 0.0} if gpu and threads >= HW_DECODER_OFF_FROM_THREADS else {}
 
 
 class DaliCrops:

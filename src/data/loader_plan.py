@@ -20,10 +20,13 @@ log = logging.getLogger(__name__)
 # data.num_workers=auto: a CPU worker per CPU (at most 16); GPU-decoding workers each hold a CUDA context, and 3
 # fed an H100 best (docs/data.md)
 AUTO_CPU_WORKERS, AUTO_GPU_DECODING_WORKERS = 16, 3
-# data.decode=auto decodes on the CPU from this many workers per GPU: the model and nvjpeg share a GPU, so GPU
-# decoding held ResNet-50 at 0.69x its ceiling where 15 CPU workers gave 0.97x and 4 gave 0.45x
-# (bench/results/decode-default_4xh200_2026-11-28.md)
+# data.decode=auto decodes on the CPU from this many workers per GPU where DALI is not installed: the model and
+# nvjpeg share a GPU, so GPU decoding held ResNet-50 at 0.69x its ceiling where 15 CPU workers gave 0.97x and 4 gave
+# 0.45x (bench/results/decode-default_4xh200_2026-11-28.md)
 MIN_CPU_WORKERS = 6
+# ... and from this many where it is: CPU decoding fed ResNet-50 0.70x, 0.79x and 0.88x what DALI did with 7, 11 and
+# 13 workers, 1.02x with 15 (bench/results/decode-default-dali_h200_2026-11-29.md)
+MIN_CPU_WORKERS_OVER_DALI = 15
 # data.crop=auto with CPU-decoding workers on CUDA: the workers crop until the GPU is measured waiting for them this
 # share of the time; then the training process crops. Cropping on the GPU was the faster on every host where the
 # GPU waited 8 % or more, the slower on each where it waited under 5 % (bench/results/decode-default-more-hosts_*)
@@ -233,9 +236,12 @@ def auto_decode(device_type: str, cpu_workers: int, cpu_only: str | None = None,
         return "cpu", "no GPU"
     if cpu_only:
         return "cpu", f"{cpu_only} runs in the CPU workers"
+    if dali:
+        if cpu_workers >= MIN_CPU_WORKERS_OVER_DALI:
+            return "cpu", f"{cpu_workers} CPU workers per GPU decode as fast as DALI"
+        few = f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS_OVER_DALI})"
+        return "dali", f"{few} decode slower than DALI, which decodes only each crop's box"
     if cpu_workers >= MIN_CPU_WORKERS:
         return "cpu", f"{cpu_workers} CPU workers per GPU decode faster than the GPU beside the model"
     few = f"{cpu_workers} CPU workers per GPU (fewer than {MIN_CPU_WORKERS})"
-    if dali:
-        return "dali", f"{few} decode slower than DALI's threads and the GPU's JPEG decoder"
     return "gpu", f"{few} decode slower than the GPU; DALI is faster still: {DALI_INSTALL}"

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config.errors import ConfigError
 from src.config.layout import Layout
-from src.data.loader_plan import CROP_ON_DEVICE_GPU_WAIT
+from src.data.loader_plan import CROP_ON_DEVICE_GPU_WAIT, DALI_INSTALL, MIN_CPU_WORKERS, MIN_CPU_WORKERS_OVER_DALI
 from src.reporting.efficiency import host
 
 log = logging.getLogger("ddplab")
@@ -108,7 +108,6 @@ def data_wait(m: dict) -> str:
 # the 256-px shards, bench/results/decode-default_4xh200_2026-11-28.md and resnet50-split-loop_2xh200_2026-11-27.md):
 # with 4 CPU workers per GPU, decoding on the GPU fed 1.5x CPU decoding; CPU decoding was the faster from 8 on.
 DATA_BOUND_GPU_WAIT = 0.2
-FEW_CPU_WORKERS = 6  # below it, data.decode=auto decodes on the GPU (src/data/loader_plan.py MIN_CPU_WORKERS)
 # the loaders whose DataLoader workers make the batches (LoaderPlan.name in src/data/loader_plan.py)
 WORKER_LOADERS = ("workers", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split", "decode-dali")
 RECIPE = "docs/data.md: 'Recipe: an ImageNet-style folder at GPU speed'"
@@ -121,16 +120,17 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
     wait = final.get("gpu_data_wait_fraction")
     if wait is None or loader not in WORKER_LOADERS:
         return None  # the resident loader's wait is its augmentation kernels; a loader not named here: no advice
-    cropping = loader == "decode-cpu" and workers >= FEW_CPU_WORKERS
+    cropping = loader == "decode-cpu" and workers >= MIN_CPU_WORKERS
     if wait < (CROP_ON_DEVICE_GPU_WAIT if cropping else DATA_BOUND_GPU_WAIT):
         return None
+    only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
     more_cpus = "give each GPU more CPUs (data.num_workers; srun --cpus-per-task)"
     smaller = "pack the images re-encoded smaller if they are not (python -m src.data.shards pack --max-side 256)"
     if not from_disk:
         fix = "data.loader=resident keeps the data on the GPU and augments it there"
     elif workers == 0:
         fix = "data.num_workers=0 decodes in the training process; data.num_workers=auto starts a worker per CPU"
-    elif loader == "decode-split" and workers >= FEW_CPU_WORKERS:
+    elif loader == "decode-split" and workers >= MIN_CPU_WORKERS:
         fix = f"with {workers} CPU workers per process, data.decode=cpu may be faster (it was from 8 workers on)"
     elif loader == "decode-split":
         fix = more_cpus
@@ -139,19 +139,18 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
         fix = f"{more_cpus}: from 6 CPU workers per GPU, data.decode=auto decodes on the CPU; or {dali}; and {smaller}"
     elif loader == "decode-dali":
         fix = f"DALI's {workers} threads per process do not keep up: {more_cpus}, or {smaller}"
-    elif workers < FEW_CPU_WORKERS:
+    elif workers < MIN_CPU_WORKERS:
         fix = (
             f"only {workers} CPU workers per process decode: try data.decode=dali (NVIDIA DALI: 1.25x GPU decoding "
             f"at 4 CPUs) or data.decode=gpu (1.5x CPU decoding at 4), or {more_cpus}"
         )
-    elif loader == "decode-cpu":
-        only_decode = "data.crop=device (the workers only decode and cut the crops: ~1.3x the images per CPU)"
-        if wait < DATA_BOUND_GPU_WAIT:  # nearly keeping up: lighter work per image was enough on each host
-            fix = f"its {workers} CPU workers per process nearly keep up: try {only_decode}"
-        else:
-            fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}, or {only_decode}"
+    elif loader == "decode-cpu" and wait < DATA_BOUND_GPU_WAIT:  # lighter work per image was enough on each host
+        fix = f"its {workers} CPU workers per process nearly keep up: try {only_decode}"
     else:
-        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}"
+        also = f", or {only_decode}" if loader == "decode-cpu" else ""
+        if loader.startswith("decode-cpu") and workers < MIN_CPU_WORKERS_OVER_DALI:  # auto's choice, were DALI here
+            also += f", or data.decode=dali (1.44x CPU decoding with 7 workers per GPU; {DALI_INSTALL})"
+        fix = f"its {workers} CPU workers per process do not keep up: {more_cpus}, or {smaller}{also}"
     return f"the GPU waited for data {100 * wait:.0f}% of the time: {fix}; see the {RECIPE}"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.data.loader_plan import MIN_CPU_WORKERS, LoaderOptions, auto_decode, resolve_plan
+from src.data.loader_plan import MIN_CPU_WORKERS, MIN_CPU_WORKERS_OVER_DALI, LoaderOptions, auto_decode, resolve_plan
 
 
 @pytest.mark.parametrize(
@@ -13,9 +13,14 @@ from src.data.loader_plan import MIN_CPU_WORKERS, LoaderOptions, auto_decode, re
     [
         ("cpu", 0, None, True, "cpu"),  # no GPU to decode on
         ("cuda", 15, None, True, "cpu"),  # a 64-CPU host with 4 GPUs
-        ("cuda", MIN_CPU_WORKERS, None, True, "cpu"),
-        ("cuda", MIN_CPU_WORKERS - 1, None, True, "dali"),  # too few CPUs per GPU: DALI where it is installed
-        ("cuda", MIN_CPU_WORKERS - 1, None, False, "gpu"),  # else the GPU-decoding workers
+        ("cuda", 7, None, True, "dali"),  # 8 CPUs per GPU: DALI, 1.44x CPU decoding
+        ("cuda", 13, None, True, "dali"),  # 14: 1.14x
+        ("cuda", 7, None, False, "cpu"),  # without DALI, CPU decoding is as fast as the GPU-decoding workers there
+        ("cuda", MIN_CPU_WORKERS_OVER_DALI, None, True, "cpu"),
+        ("cuda", MIN_CPU_WORKERS_OVER_DALI - 1, None, True, "dali"),
+        ("cuda", MIN_CPU_WORKERS, None, False, "cpu"),
+        ("cuda", MIN_CPU_WORKERS - 1, None, False, "gpu"),  # too few CPUs per GPU and no DALI: GPU-decoding workers
+        ("cuda", 3, None, True, "dali"),
         ("cuda", 0, None, False, "gpu"),  # data.num_workers=0: nothing else decodes off the training process
         ("cuda", 2, "data.auto_augment=trivial", True, "cpu"),  # runs in the workers after their crops
         ("cuda", 0, "data.crop=workers", True, "cpu"),

@@ -259,10 +259,10 @@ def test_dali_threads_are_the_workers_count_and_one_on_one_cpu(caplog):
     assert resolve_plan(LoaderOptions("auto", 5, "dali"), CPU, False, True, False).workers == 5
 
 
-def test_the_hardware_jpeg_decoder_is_off_from_as_many_threads_as_auto_decodes_on_the_cpu_with():
+def test_the_hardware_jpeg_decoder_is_off_from_six_threads():
     """With 7 or 15 DALI threads per H200 the hardware JPEG decoder cost 12 % of ResNet-50's images/s, with 3 it
-    gave 11 % (bench/results/dali-engine_h200_2026-11-29.md): off from data.decode=auto's CPU-decoding threshold
-    (6 workers), DALI's own share below it; DALI on the CPU has no such decoder."""
+    gave 11 % (bench/results/dali-engine_h200_2026-11-29.md): off from 6 threads, DALI's own share below; DALI on
+    the CPU has no such decoder."""
     assert [decoder_options(True, n) for n in (1, 3, 5)] == [{}] * 3
     assert [decoder_options(True, n) for n in (6, 7, 15)] == [{"hw_decoder_load": 0.0}] * 3
     assert decoder_options(False, 15) == {}

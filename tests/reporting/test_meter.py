@@ -60,6 +60,9 @@ def test_a_cpu_run_reports_host_data_wait_in_the_epoch_line_and_metrics(cfg_fact
         ("decode-cpu", 4, True, 0.14, None),  # too few workers for the crop=device band: from a fifth on
         ("decode-cpu-crop-device", 15, True, 0.14, None),
         ("decode-cpu-crop-device", 15, True, 0.30, "--max-side 256"),
+        # 8 CPUs, one H200, no DALI: the crops moved to the GPU and it still waited (decode-default-dali)
+        ("decode-cpu-crop-device", 7, True, 0.32, "or data.decode=dali (1.44x CPU decoding with 7 workers per GPU"),
+        ("decode-cpu", 11, True, 0.24, "or data.crop=device (the workers only decode and cut the crops: ~1.3x"),
         ("decode-split", 8, True, 0.37, "with 8 CPU workers per process, data.decode=cpu may be faster"),
         ("decode-split", 4, True, 0.31, "give each GPU more CPUs"),
         ("decode-gpu", 3, True, 0.14, None),  # the default with 3 workers: 0.69x the ceiling, GPU data wait 14 %
@@ -86,6 +89,7 @@ def test_a_data_bound_gpu_run_ends_with_what_to_change(loader, workers, from_dis
         assert advice.startswith(f"the GPU waited for data {100 * wait:.0f}% of the time: ") and says in advice
         assert "\n" not in advice and advice.endswith("'Recipe: an ImageNet-style folder at GPU speed'")
     assert data_bound_advice({"data_wait_fraction": 0.9}, loader, workers, from_disk) is None  # CPU: no GPU figure
+    assert workers < 15 or "decode=dali" not in (advice or "")  # CPU decoding is as fast from 15 workers per GPU
 
 
 def _gpu_sleep(seconds: float) -> None:
