@@ -20,6 +20,11 @@ from tests.conftest import ROOT, make_cfg, read_metrics
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 IN_MEMORY, ENCODED, OWN = (True, False), (False, True), (False, False)  # (in_memory, encoded)
 FEW_CPUS = "dali" if dali_installed() else "gpu"
+EIGHT_CPUS = (
+    LoaderPlan(False, True, "dali", True, 7)
+    if dali_installed()
+    else LoaderPlan(False, True, "cpu", False, 7, crop_measured=True)
+)
 
 PLANS = [  # (options, device, dataset, trivial, the plan)
     ({}, CUDA, IN_MEMORY, False, LoaderPlan(resident=True)),
@@ -30,7 +35,9 @@ PLANS = [  # (options, device, dataset, trivial, the plan)
     # decode=auto, few CPUs: DALI where it is installed (requirements.txt, on Linux x86-64), else GPU decoding
     ({"num_workers": 3}, CUDA, ENCODED, False, LoaderPlan(False, True, FEW_CPUS, True, 3)),
     # decode=auto, CPUs enough: the workers crop until the GPU is seen waiting for them (crop_measured)
-    ({"num_workers": 8}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 8, crop_measured=True)),
+    ({"num_workers": 15}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 15, crop_measured=True)),
+    # 8 CPUs per GPU: DALI decodes faster where it is installed, else the CPU workers do
+    ({"num_workers": 7}, CUDA, ENCODED, False, EIGHT_CPUS),
     ({"num_workers": 4, "crop": "workers"}, CUDA, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
     ({"num_workers": 4}, CUDA, ENCODED, True, LoaderPlan(False, True, "cpu", False, 4)),  # trivial: CPU workers
     ({"num_workers": 4}, CPU, ENCODED, False, LoaderPlan(False, True, "cpu", False, 4)),
@@ -53,12 +60,13 @@ PLANS = [  # (options, device, dataset, trivial, the plan)
     ({"num_workers": 4, "decode": "dali"}, CUDA, ENCODED, False, LoaderPlan(False, True, "dali", True, 4)),
     ({"num_workers": 0, "decode": "dali"}, CPU, ENCODED, False, LoaderPlan(False, True, "dali", True, 1)),  # a thread
 ]
-NAMES = ["resident", "workers", "workers", "workers", "workers", f"decode-{FEW_CPUS}", "decode-cpu", "decode-cpu"]
+NAMES = ["resident", "workers", "workers", "workers", "workers", f"decode-{FEW_CPUS}", "decode-cpu", EIGHT_CPUS.name]
+NAMES += ["decode-cpu"]
 NAMES += ["decode-cpu", "decode-cpu", "decode-cpu", "decode-cpu-crop-device", "decode-gpu", "decode-split"]
 NAMES += ["decode-dali", "decode-dali"]
 
 
-@pytest.mark.parametrize("case, name", list(zip(PLANS, NAMES)))
+@pytest.mark.parametrize("case, name", list(zip(PLANS, NAMES, strict=True)))
 def test_each_choice_resolves_to_its_plan_and_name(case, name):
     options, device, (in_memory, encoded), trivial, plan = case
     got = resolve_plan(
