@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-dali bench-dali-engine bench-airbench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-decode-cpus bench-dali bench-dali-engine bench-airbench slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -56,25 +56,25 @@ bench-dali: install  ## NVIDIA DALI's ResNet-50 pipeline in the ceiling's step (
 	$(PY) bench/dali_anchor.py --gpus $(GPUS) --shards $(SHARDS) --mode loop \
 		$(if $(filter-out default,$(DALI_HW)),--hw-decoder-load $(DALI_HW)) --out outputs/bench/dali-loop$(GPUS)-hw$(DALI_HW).json $(ARGS)
 
+# ResNet-50's loop from a pack of JPEGs, as every decode report times it
+RESNET50_DISK = bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --epochs 3 \
+	--workers auto --override trainer.limit_eval_batches=2
+
 bench-dali-engine: install  ## data.decode=dali and the default beside DALI's own pipeline, ResNet-50 on one GPU (GPU): SHARDS=<pack>
 	$(MAKE) --no-print-directory bench-dali SHARDS=$(SHARDS) GPUS=1 DALI_HW=0 ARGS="--steps 300"
 	$(MAKE) --no-print-directory bench-dali SHARDS=$(SHARDS) GPUS=1 DALI_HW=default ARGS="--steps 300"
-	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus 1 --epochs 3 \
-		--decode dali,auto --workers auto --override trainer.limit_eval_batches=2 --only 'resnet50-single1-*' \
+	$(PY) $(RESNET50_DISK) --gpus 1 --decode dali,auto --only 'resnet50-single1-*' \
 		--out outputs/bench/dali-engine.json $(ARGS)
 
 bench-decode: install  ## the default data.decode vs each explicit choice on this host, loaders alone and ResNet-50 on 1 and GPUS GPUs (GPU): SHARDS=<pack> GPUS=4
-	$(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 --shards $(SHARDS) --gpus $(GPUS) \
-		--decode auto,cpu,cpudecode,gpu,split,dali --workers auto --override trainer.limit_eval_batches=2 \
+	$(PY) $(RESNET50_DISK) --gpus $(GPUS) --decode auto,cpu,cpudecode,gpu,split,dali \
 		--only 'resnet50-ceiling-bf16-cl-cudagraphs,loader*,resnet50-single1-*,resnet50-ddp$(GPUS)-*' \
 		--out outputs/bench/decode$(GPUS).json $(ARGS)
 
 CPUS ?= 8 12 14 16
 bench-decode-cpus: install  ## the default data.decode beside CPU, GPU and DALI decoding, ResNet-50 on one GPU given each of CPUS CPUs (GPU, taskset): SHARDS=<pack>
-	for n in $(CPUS); do taskset -c 0-$$((n - 1)) $(PY) bench/bench.py --model resnet50 --image-size 224 --batch 256 \
-		--shards $(SHARDS) --gpus 1 --epochs 3 --decode auto,cpuauto,gpu,dali --workers auto \
-		--override trainer.limit_eval_batches=2 --only 'resnet50-single1-*' --out outputs/bench/decode-cpus$$n.json \
-		$(ARGS) || exit 1; done
+	for n in $(CPUS); do taskset -c 0-$$((n - 1)) $(PY) $(RESNET50_DISK) --gpus 1 --decode auto,cpuauto,gpu,dali \
+		--only 'resnet50-single1-*' --out outputs/bench/decode-cpus$$n.json $(ARGS) || exit 1; done
 
 DATA ?= data/cifar10-jpeg
 bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>

@@ -97,9 +97,9 @@ def loaders_of(args) -> list[tuple[str, list[str]]]:
     from disk (the --data-root folder, and --shards), decoded on the GPU (`gpudecode`, reading with the first
     --workers count), by the workers that also crop (`classic<N>`) or by workers that only decode and cut
     the crops' regions, the training process resizing them on the GPU (`cpudecode<N>`), either as data.crop=auto
-    chooses (`cpuauto<N>`), or shared between N
-    CPU workers and 3 that decode on the GPU (`split<N>`, data.gpu_share of each batch on the GPU), or by DALI
-    in the training process with N threads (`dali<N>`); shard tags start with `shards-`."""
+    chooses (`cpuauto<N>`), or shared between N CPU workers and 3 that decode on the GPU (`split<N>`,
+    data.gpu_share of each batch on the GPU), or by DALI in the training process with N threads (`dali<N>`); shard
+    tags start with `shards-`."""
     workers = args.workers.split(",")  # counts, or auto: what data.num_workers=auto gives this host
     if not args.decode:
         return [("gpu", ["data.loader=resident", "data.num_workers=0"])] + [

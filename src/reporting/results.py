@@ -136,7 +136,8 @@ def data_bound_advice(final: dict, loader: str, workers: int, from_disk: bool) -
         fix = more_cpus
     elif loader == "decode-gpu":
         dali = "data.decode=dali (NVIDIA DALI: 1.25x at 4 CPUs per GPU)"
-        fix = f"{more_cpus}: from 6 CPU workers per GPU, data.decode=auto decodes on the CPU; or {dali}; and {smaller}"
+        on_cpu = f"from {MIN_CPU_WORKERS} CPU workers per GPU, data.decode=auto decodes on the CPU"
+        fix = f"{more_cpus}: {on_cpu}; or {dali}; and {smaller}"
     elif loader == "decode-dali":
         fix = f"DALI's {workers} threads per process do not keep up: {more_cpus}, or {smaller}"
     elif workers < MIN_CPU_WORKERS:
