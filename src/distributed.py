@@ -7,6 +7,7 @@ submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MA
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import subprocess
@@ -119,6 +120,10 @@ def init_process_group(env: RankEnv, device_type: str) -> torch.device:
     else:
         device = torch.device("cpu")
     if env.world_size > 1 and not dist.is_initialized():
+        # imported once the group exists, torch._dynamo (DDP imports it) keeps references to the group, which then
+        # outlives destroy_process_group with its threads (see destroy_process_group)
+        import torch._dynamo as _dynamo  # noqa: F401
+
         backend = "nccl" if device_type == "cuda" else "gloo"
         options = {"timeout": datetime.timedelta(minutes=10), "device_id": device if device_type == "cuda" else None}
         if env.launcher == "torchelastic":
@@ -143,8 +148,12 @@ def _attempt_store(env: RankEnv) -> dist.Store:
 
 
 def destroy_process_group() -> None:
+    """Leave the process group and free it, joining its backend's threads: call it once the model wrapped over
+    the group is released. A gloo thread that frees a finished collective after Python began to shut down
+    aborts the process ("terminate called without an active exception"): the collective holds Python objects."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # a wrapper in a reference cycle (DDP and its hooks) would hold the group until collected
 
 
 def is_distributed() -> bool:

@@ -76,13 +76,12 @@ def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
         run = prepare_run(cfg, plan)
         try:
             final = run.execute()
-            # ranks leave the group together: a rank tearing gloo down while rank 0 still wrote its files was once
-            # aborted at exit ("terminate called without an active exception")
             if torch.distributed.is_initialized():
-                torch.distributed.barrier()
+                torch.distributed.barrier()  # no rank frees the group while another still reduces over it
             return final
         finally:
             run.close()
+            del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
             destroy_process_group()
             if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
                 torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
@@ -122,6 +121,7 @@ class Trainer:
         for part in (self.loader, self.reporter):
             if part is not None:
                 part.close()
+        self.strategy.release()
 
     def build(self) -> None:
         """Data, model, strategy, optimizer, schedule and checkpoints: everything the loop needs."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -109,6 +109,13 @@ class Strategy:
         return {"strategy": self.name, "sync_bn": self.sync_bn, "gradient_sync": "none"}
 
     # --- in each rank ---------------------------------------------------------------------------
+    def release(self) -> None:
+        """Forget what the run attached (the model, its wrapper, the EMA): the plan that holds this strategy may
+        outlive the run, its model and process group must not."""
+        settings = {f.name for f in fields(self)}
+        for name in [name for name in vars(self) if name not in settings]:
+            delattr(self, name)
+
     def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
         """Wrap (and compile) `model`; return the module the loop calls."""
         self.core = model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -215,6 +216,16 @@ def test_torchrun_one_node_writes_one_run_dir(tmp_path):
     assert read_metrics(run)["hparams"]["world_size"] == 2
     assert sorted(p.name for p in run.glob("train*.log")) == ["train.log", "train_rank1.log"]
     assert (run / ".hydra/config.yaml").is_file()
+
+
+def test_a_run_frees_its_process_group_before_it_returns(tmp_path):
+    """Nothing of the group is left to run while Python shuts down: a gloo thread that freed a finished collective
+    then aborted rank 1 after a completed run ("terminate called without an active exception")."""
+    proc = run_cli("-m", "tests.strategies.threads_after_run", str(tmp_path), command=_torchrun("--nproc_per_node=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads_rank{rank}.json").read_text())
+        assert threads and not [name for name in threads if "gloo" in name], (rank, threads)
 
 
 # trainer.threads=auto gives a lone rank per "node" all the cores and two ranks on one node half each; other
