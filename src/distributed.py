@@ -7,7 +7,6 @@ submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MA
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import random
 import subprocess
@@ -153,7 +152,6 @@ def destroy_process_group() -> None:
     aborts the process ("terminate called without an active exception"): the collective holds Python objects."""
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()  # a wrapper in a reference cycle (DDP and its hooks) would hold the group until collected
 
 
 def is_distributed() -> bool:
