@@ -129,7 +129,9 @@ def _worker(config: dict) -> dict:
     # exit whenever the agent stops a rank; ranks never share a bar, a thread lock does
     tqdm.set_lock(threading.RLock())
     try:
-        with interrupt_outside_training(ELASTIC_SIGNALS):  # first: one that came while this rank started acts now
+        # first: one that came while this rank started acts now; one that comes after the run has nothing to stop
+        # (the launcher says so), where the default action would kill the rank before its result reaches the launcher
+        with interrupt_outside_training(ELASTIC_SIGNALS, ignore_after=True):
             _setup_worker_logging(config["paths"]["output_dir"], rank)
             return train(OmegaConf.create(config))
     except ConfigError as exc:

@@ -55,10 +55,11 @@ def _interrupt(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def interrupt_outside_training(signals=STOP_SIGNALS):
+def interrupt_outside_training(signals=STOP_SIGNALS, ignore_after: bool = False):
     """Stop signals raise Interrupted within this block, except where StopRequest catches them (the training
     steps). Blocked signals are unblocked: a worker of the local launcher starts with them blocked, so that one
-    sent while it was starting waited for this handler instead of killing it."""
+    sent while it was starting waited for this handler instead of killing it. ignore_after: they are ignored
+    once the block is left, also when it ends normally (a rank whose run is over, still handing back its result)."""
     try:
         previous = {sig: signal.signal(sig, _interrupt) for sig in signals}
     except ValueError:  # not the main thread: signals stay as they are
@@ -72,7 +73,7 @@ def interrupt_outside_training(signals=STOP_SIGNALS):
         stopping = True
         raise
     finally:
-        _reset(previous, stopping)
+        _reset(previous, stopping or ignore_after)
 
 
 def _reset(previous: dict, stopping: bool) -> None:

@@ -310,3 +310,13 @@ def test_a_stop_during_the_last_epochs_validation_saves_and_exits_instead_of_com
     assert not (run_dir / "metrics.json").exists() and _position(run_dir) == (1, 0)
     resumed = run_cli(f"hydra.run.dir={run_dir}", timeout=300)
     assert resumed.returncode == 0 and read_metrics(run_dir)["status"] == "completed", resumed.stderr[-2000:]
+
+
+def test_a_stop_forwarded_after_a_ranks_run_returned_does_not_kill_it(tmp_path):
+    """The launcher forwards a stop as its carrier; one that reaches a rank after its run has returned (its
+    result on the way back) once killed it by the carrier's default action, and the launcher then reported a
+    completed run as "rank 0 failed: Signal 49". The rank now ignores it and the launcher says the run completed."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    proc = run_cli("-m", "tests.state.stop_after_run", str(tmp_path), command=[sys.executable], env=env)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "survived", proc.stderr[-3000:]
+    assert (tmp_path / "run/metrics.json").is_file()
