@@ -41,17 +41,19 @@ def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
     """The model's blocks, in definition order: each is one FSDP unit (one all-gather, one reduce-scatter) and
     one activation-checkpointing unit; what no block holds (a stem layer, a norm, the classifier) stays in the
     root. auto: the blocks of its innermost stacks (resnet's bottlenecks, ViT's encoder blocks) and its other
-    composite children; a list of class names: the outermost modules of those classes."""
+    composite children; a list of names: the outermost modules of those classes (BasicBlock) or at those paths
+    (layer4, features.1)."""
     if spec in (None, "auto"):
         targets = _blocks(model)
     else:
         names = set(spec)
-        targets = _outermost(model, lambda m: type(m).__name__ in names)
+        targets = _outermost(model, lambda path, m: path in names or type(m).__name__ in names)
         if not targets:
             found = sorted({type(m).__name__ for m in model.modules()})
+            paths = [name for name, _ in model.named_children()]
             raise ConfigError(
                 f"strategy.shard_modules={sorted(names)} matches no module of the model; "
-                f"choose among {found[:15]} or use auto"
+                f"choose among the classes {found[:15]} or the paths {paths[:10]}, or use auto"
             )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -60,11 +62,17 @@ def shard_targets(model: nn.Module, spec) -> list[nn.Module]:
     return [wrappers.get(id(t), t) for t in targets]
 
 
-def _outermost(module: nn.Module, match) -> list[nn.Module]:
+def _outermost(module: nn.Module, match, prefix: str = "") -> list[nn.Module]:
     found = []
-    for child in module.children():
-        found += [child] if match(child) else _outermost(child, match)
+    for name, child in module.named_children():
+        path = prefix + name
+        found += [child] if match(path, child) else _outermost(child, match, path + ".")
     return found
+
+
+def inside(module: nn.Module, outer: nn.Module) -> bool:
+    """Is `module` a strict sub-module of `outer`?"""
+    return module is not outer and any(m is module for m in outer.modules())
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

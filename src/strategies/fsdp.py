@@ -15,7 +15,7 @@ from src.config.errors import ConfigError
 from src.config.schema import Positive
 from src.state import checkpoint as ckpt
 from src.strategies.base import Context, _broadcast_from_rank0, _dcp, _Distributed
-from src.strategies.blocks import _replace, shard_targets
+from src.strategies.blocks import _replace, inside, shard_targets
 from src.strategies.local_shards import step_on_local_shards
 
 
@@ -61,12 +61,12 @@ class FSDP(_Distributed):
             blocks = self.blocks(build_model(cfg.model, num_classes=10, in_channels=3, start=False))
         t = cfg.trainer
         if t.compile and t.compile_mode == "reduce-overhead":
-            if self.per_block(blocks):
+            if self.per_block(blocks) and self.reshard_after_forward is not False:
                 raise ConfigError(
-                    f"trainer.compile_mode=reduce-overhead (CUDA graphs) works under fsdp when the whole model is "
-                    f"one unit, but {len(blocks)} blocks are sharded as units of their own "
-                    f"(strategy.shard_modules={self.shard_modules}); set strategy.shard_modules=root or "
-                    f"trainer.compile_mode=default"
+                    f"trainer.compile_mode=reduce-overhead (CUDA graphs) works under fsdp when each unit is gathered "
+                    f"once per step, but {len(blocks)} units of their own (strategy.shard_modules="
+                    f"{self.shard_modules}) are gathered again for the backward; set "
+                    f"strategy.reshard_after_forward=false, strategy.shard_modules=root or trainer.compile_mode=default"
                 )
             if self.cpu_offload:
                 raise ConfigError(
@@ -108,11 +108,15 @@ class FSDP(_Distributed):
 
         blocks = self.blocks(model)
         per_block = self.per_block(blocks)
-        if ctx.compile and per_block:  # one graph per block (repeated blocks share it); FSDP's hooks outside them
-            limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
-            torch._dynamo.config.recompile_limit = max(limit, len(blocks))
-            blocks = [_replace(model, b, torch.compile(b, mode=ctx.compile_mode, dynamic=False)) for b in blocks]
         units = blocks if per_block else []
+        if ctx.compile and per_block:  # one graph per block (repeated blocks share it); FSDP's hooks outside them
+            parts = _compiled_parts(model, units)
+            limit = torch._dynamo.config.recompile_limit  # a graph per distinct block shape (resnet: ~8)
+            torch._dynamo.config.recompile_limit = max(limit, len(parts))
+            compiled = {
+                id(p): _replace(model, p, torch.compile(p, mode=ctx.compile_mode, dynamic=False)) for p in parts
+            }
+            units = [compiled.get(id(u), u) for u in units]
         self._blocks_in_root = bool(blocks) and not per_block  # an out-of-memory line then suggests per-block units
         options = {
             "mp_policy": self.mp_policy(ctx),
@@ -123,8 +127,8 @@ class FSDP(_Distributed):
         for unit in units:
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(model, **options)  # the root stays gathered from forward to backward: its backward comes first
-        if ctx.cuda_graphs:  # the root alone (preflight)
-            _graph_inputs_in_place(model, ctx.device)
+        if ctx.cuda_graphs:  # each unit gathered once per step (preflight)
+            _graph_inputs_in_place(model, units, ctx.device)
         if ctx.compile and not per_block:  # one unit: its forward is one graph, FSDP's hooks run around the call
             model.forward = torch.compile(model.forward, mode=ctx.compile_mode, dynamic=False)
         ahead = int(self.prefetch)  # the next `ahead` units' all-gathers are issued when a unit's is done
@@ -176,7 +180,15 @@ class _Eager(nn.Module):
             return self.module(x)
 
 
-def _graph_inputs_in_place(root: nn.Module, device: torch.device) -> None:
+def _compiled_parts(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """What is compiled, each on its own, when FSDP shards units of their own: the model's blocks that hold no
+    unit (in the root too: resnet's early stages when only `layer4` is a unit), and the units that hold no such
+    block. FSDP's hooks then run between the compiled parts, never inside one."""
+    blocks = [b for b in shard_targets(model, "auto") if not any(inside(u, b) for u in units)]
+    return blocks + [u for u in units if not any(b is u or inside(b, u) for b in blocks)]
+
+
+def _graph_inputs_in_place(root: nn.Module, units: list[nn.Module], device: torch.device) -> None:
     """Keep what the CUDA graphs read in place, so that they replay rather than being recorded again. Dynamo takes an
     FSDP-managed module's buffers for ordinary inputs, and runs a graph that mutates one (BatchNorm's running
     statistics) without CUDA graphs: they are marked static. The gathered parameters are static inputs too, and move
@@ -184,15 +196,15 @@ def _graph_inputs_in_place(root: nn.Module, device: torch.device) -> None:
     for buffer in root.buffers():
         torch._dynamo.mark_static_address(buffer, guard=False)
     if device.type == "cuda":
-        _gather_in_own_pool(root)
+        _gather_in_own_pool([root, *units])
 
 
-def _gather_in_own_pool(root: nn.Module) -> None:
-    """Route the allocations of FSDP's pre-forward (the all-gather and the unsharded parameters) to a memory pool
-    of their own. CUDA graphs take the parameters as static inputs and record again when one moves; FSDP frees the
-    gathered parameters after each backward and allocates them anew before the next forward, where the loader's
-    and metrics' allocations in between would move them. In a pool that sees only these allocations, in the same
-    order each step, they land where they were."""
+def _gather_in_own_pool(units: list[nn.Module]) -> None:
+    """Route the allocations of the units' FSDP pre-forwards (the all-gathers, the prefetched ones included, and the
+    unsharded parameters) to a memory pool of their own. CUDA graphs take the parameters as static inputs and
+    record again when one moves; FSDP frees the gathered parameters after each backward and allocates them anew
+    before the next forward, where the loader's and metrics' allocations in between would move them. In a pool
+    that sees only these allocations, in the same order each step, they land where they were."""
     pool, entered = torch.cuda.MemPool(), []
 
     def enter(module, args, kwargs):  # prepended: runs before FSDP's pre-forward hook
@@ -202,8 +214,9 @@ def _gather_in_own_pool(root: nn.Module) -> None:
     def leave(module, args, kwargs):  # appended: runs after it
         entered.pop().__exit__(None, None, None)
 
-    root.register_forward_pre_hook(leave, with_kwargs=True)
-    root.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    for unit in units:
+        unit.register_forward_pre_hook(leave, with_kwargs=True)
+        unit.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
 
 
 @contextlib.contextmanager

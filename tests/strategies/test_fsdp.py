@@ -104,7 +104,10 @@ def test_each_bad_option_is_one_line(cfg_factory, override, message):
 @pytest.mark.parametrize(
     "option, message",
     [
-        ("strategy.shard_modules=blocks", "but 2 blocks are sharded as units of their own (strategy.shard_modules="),
+        (
+            "strategy.shard_modules=blocks",
+            "but 2 units of their own (strategy.shard_modules=blocks) are gathered again",
+        ),
         ("strategy.cpu_offload=true", "does not work with strategy.cpu_offload=true (the parameters live on the CPU)"),
     ],
 )
@@ -115,10 +118,15 @@ def test_cuda_graphs_are_refused_before_any_process_where_fsdp_gathers_more_than
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_graph_mode_keeps_batchnorm_statistics_of_the_compiled_fsdp_model(reference, cfg_factory, tmp_path):
+@pytest.mark.parametrize(
+    "units",
+    [("strategy.shard_modules=root",), ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false")],
+)
+def test_graph_mode_keeps_batchnorm_statistics_of_the_compiled_fsdp_model(reference, cfg_factory, tmp_path, units):
     """trainer.compile_mode=reduce-overhead marks the FSDP-managed buffers static (on CUDA the graphs then replay):
-    the compiled graphs still update BatchNorm's running statistics as eager fsdp does."""
-    graphs = ("trainer.compile=true", "trainer.compile_mode=reduce-overhead", "strategy.shard_modules=root")
+    the compiled graphs still update BatchNorm's running statistics as eager fsdp does, with the root as the one
+    unit or with a second unit (features.1) compiled apart from the root's block."""
+    graphs = ("trainer.compile=true", "trainer.compile_mode=reduce-overhead", *units)
     launch(cfg_factory(*STEPS, *FSDP2, *graphs, sub="graphs"))
     assert_same(last_weights(tmp_path / "graphs/run"), last_weights(reference), rtol=1e-4, atol=1e-6)
 
@@ -473,3 +481,34 @@ def test_a_rerun_in_the_run_directory_takes_the_sharded_checkpoints_config(strai
         f"{straight / 'checkpoints/last'} was trained with other settings that "
         f"change the result: trainer.max_epochs=5 (checkpoint: 4)"
     )
+
+
+def test_units_named_by_path_are_sharded_and_the_blocks_around_them_compiled():
+    """shard_modules=[layer4]: resnet's last stage is FSDP's second unit (its gather overlaps the early stages),
+    and each of the eight blocks is compiled on its own, those of the root included, FSDP's hooks between them."""
+    import torchvision
+
+    from src.strategies.fsdp import _compiled_parts
+
+    with torch.device("meta"):
+        model = torchvision.models.resnet18(num_classes=10)
+    units = FSDP(shard_modules=["layer4"]).blocks(model)
+    assert units == [model.layer4]
+    names = {id(m): name for name, m in model.named_modules()}
+    parts = [names[id(p)] for p in _compiled_parts(model, units)]
+    assert parts == [f"layer{stage}.{i}" for stage in range(1, 5) for i in range(2)]
+    # a class and a path together; the outermost match wins (layer4's blocks are inside it)
+    both = FSDP(shard_modules=["layer4", "BasicBlock"]).blocks(model)
+    assert both == [
+        model.layer1[0],
+        model.layer1[1],
+        model.layer2[0],
+        model.layer2[1],
+        model.layer3[0],
+        model.layer3[1],
+        model.layer4,
+    ]
+    with pytest.raises(
+        ConfigError, match=r"matches no module of the model; choose among the classes .* paths \['conv1'"
+    ):
+        FSDP(shard_modules=["layer9"]).blocks(model)
