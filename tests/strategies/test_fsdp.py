@@ -121,6 +121,7 @@ def test_cuda_graphs_are_refused_before_any_process_where_fsdp_gathers_more_than
 @pytest.mark.parametrize(
     "units",
     [("strategy.shard_modules=root",), ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false")],
+    ids=["root", "two-units"],
 )
 def test_graph_mode_keeps_batchnorm_statistics_of_the_compiled_fsdp_model(reference, cfg_factory, tmp_path, units):
     """trainer.compile_mode=reduce-overhead marks the FSDP-managed buffers static (on CUDA the graphs then replay):
