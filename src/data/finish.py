@@ -1,5 +1,6 @@
 """What the training process does with the workers' pieces (src/data/fetch.py): join a batch's pieces on its
-device, crop images the workers left uncropped, crop and flip where the workers did not, and normalize."""
+device, crop images the workers left uncropped, crop and flip where the workers did not, and normalize. On a GPU
+this runs on a CUDA stream of its own, while the step before still runs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class DeviceFinish:
         self.draws = None if crops is None else EpochDraws(augmentation, len(data.train), seed, self.device)
         self.skipped = 0
         self.held: collections.deque = collections.deque()  # workers' CUDA buffers still read by queued kernels
+        # host batches are copied and normalized on a stream of their own, beside the step the GPU runs meanwhile
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.streamed = False
 
     def join(self, pieces: list[Fetched]) -> Fetched:
         """One batch from the pieces of several workers, joined on the device: each pinned piece is copied there
@@ -44,6 +48,24 @@ class DeviceFinish:
                 self._hold(piece.x)
         ids = torch.cat([piece.ids for piece in pieces])
         return Fetched(x, torch.cat([piece.y for piece in pieces]), ids, skipped=skipped, shapes=shapes, flips=flips)
+
+    def from_pieces(
+        self, pieces: list[Fetched], split: str, epoch: int | None, order: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """join, then finish. Pieces in host memory are copied and finished on a stream of their own, beside the
+        step the GPU runs meanwhile; the training stream waits for the batch only where it reads it."""
+        if self.stream is None or any(piece.x.is_cuda for piece in pieces):
+            return self(self.join(pieces), split, epoch, order)
+        training = torch.cuda.current_stream(self.device)
+        if not self.streamed:  # what the training stream made before (the normalization's tables) is ready
+            self.stream.wait_stream(training)
+            self.streamed = True
+        with torch.cuda.stream(self.stream):
+            x, y = self(self.join(pieces), split, epoch, order)
+        training.wait_stream(self.stream)
+        x.record_stream(training)  # this stream must not reuse the memory while the step still reads it
+        y.record_stream(training)
+        return x, y
 
     def __call__(
         self, batch: Fetched, split: str, epoch: int | None, order: torch.Tensor | None = None

@@ -196,7 +196,7 @@ class WorkerLoader:
             if self.plan.crop_on_device != cropped_on_device:  # settled during the pass: the rest asked anew
                 cropped_on_device, self.ahead = self.plan.crop_on_device, None
                 fetched = self._fetch(key, split, epoch, [piece for later in pieces[k:] for piece in later])
-            yield self.finish(self.finish.join([next(fetched) for _ in batch]), split, epoch)
+            yield self.finish.from_pieces([next(fetched) for _ in batch], split, epoch)
 
     def _shared_batches(self, split: str, epoch: int | None, batches: list[torch.Tensor]) -> Iterator[tuple]:
         """data.decode=split: each batch's GPU share (gpu_decoded) fetched from the GPU-decoding workers, the rest
@@ -208,7 +208,7 @@ class WorkerLoader:
         from_gpu = self._fetch("gpu", split, epoch, [part for part in gpu_parts if len(part)])
         for ids, pieces, part in zip(batches, cpu_pieces, gpu_parts):
             fetched = [next(from_cpu) for _ in pieces] + ([next(from_gpu)] if len(part) else [])
-            yield self.finish(self.finish.join(fetched), split, epoch, order=ids)
+            yield self.finish.from_pieces(fetched, split, epoch, order=ids)
 
     def train_batches(self, steps: list[Step], epoch: int) -> Iterator[MicroBatch]:
         batches, aug = self._batches("train", epoch, micro_batches(steps)), self.augmentation

@@ -312,8 +312,8 @@ class ShippedCropped:
     def __init__(self, finish):
         self.finish, self.cropped = finish, []
 
-    def join(self, pieces):
-        return self.finish.join(pieces)
+    def from_pieces(self, pieces, split, epoch, order=None):  # on the CPU: join, then finish
+        return self(self.finish.join(pieces), split, epoch, order)
 
     def __call__(self, batch, split, epoch, order=None):
         self.cropped.append(batch.shapes is None)
@@ -816,6 +816,36 @@ def test_cpu_decoding_with_the_crops_on_cuda_matches_cropping_workers(tmp_path):
         assert x.is_cuda and torch.equal(y.cpu(), ref_y)
         levels = ((x.cpu() - ref) * std * 255).abs()  # the same crops: rounding (TF32 matmuls) moves a few pixels
         assert levels.mean() < 0.5 and levels.max() < 3.01  # by a level or two; another crop: ~50 levels
+
+
+@pytest.mark.gpu
+def test_host_batches_finished_on_their_own_stream_reach_the_step_intact(tmp_path):
+    """CPU-decoded batches are copied and normalized on a CUDA stream of the loader's. The step's stream waits for
+    each (the loader's stream held busy: the step must not read the batch early), and a batch's memory is not
+    reused while the step's stream still reads it (that stream held busy: later batches must not overwrite it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    write_tree(tmp_path / "tree", kinds=("jpeg",), per_class=(12, 2), smooth=True)
+    data, cfg = disk_data(tmp_path, tmp_path / "tree", "data.num_workers=2")
+    steps = plan_epoch(len(data.train), 6, 1, 0, 1, seed=7, epoch=2)
+    ref = batches(data, cfg, steps, 2, "cpu", crop="workers")
+    cfg.data.decode, cfg.data.crop = "cpu", "workers"
+    for busy in ("loader", "step"):
+        loader = build_loader(data, cfg.data, torch.device("cuda"), True, seed=7)
+        try:
+            read = []
+            for k, batch in enumerate(loader.train_batches(steps, 2)):
+                if k == 0:  # ~1 s of spinning on one stream: the other runs ahead of it
+                    with torch.cuda.stream(loader.finish.stream if busy == "loader" else torch.cuda.current_stream()):
+                        torch.cuda._sleep(2_000_000_000)
+                read.append((batch.x.clone(), batch.y.clone()))  # queued on the step's stream
+            torch.cuda.synchronize()
+        finally:
+            loader.close()
+        assert len(read) == len(ref) == len(steps)
+        for (x, y), (ref_x, ref_y) in zip(read, ref):
+            assert torch.equal(y.cpu(), ref_y), busy
+            assert (x.cpu() - ref_x).abs().max() < 1e-5, busy
 
 
 @pytest.mark.gpu
