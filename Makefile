@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-decode-cpus bench-dali bench-dali-engine bench-airbench slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-decode-cpus bench-dali bench-dali-engine bench-airbench bench-fsdp-graph slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ bench-decode-cpus: install  ## the default data.decode beside CPU, GPU and DALI 
 DATA ?= data/cifar10-jpeg
 bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>
 	$(PY) bench/airbench_anchor.py --data $(DATA) --out outputs/bench/airbench96.json $(ARGS)
+
+bench-fsdp-graph: install  ## fsdp's whole step as one CUDA graph (ResNet-18, 512 per GPU) beside one GPU (GPU): FSDP_GPUS=2
+	$(PY) bench/fsdp_step_graph.py --gpus $(or $(FSDP_GPUS),2) --out outputs/bench/fsdp-step-graph.json $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
 MAX_SIDE ?=

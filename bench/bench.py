@@ -423,11 +423,12 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
 # --- the children: one configuration each ---------------------------------------------------------
 
 
-def ceiling_step(spec: dict, device, gradient_sync=None, ranks: int = 1):
+def ceiling_step(spec: dict, device, gradient_sync=None, ranks: int = 1, wrap=None):
     """(`step(x, y)`, the model it trains): the ceiling's train step (forward, the loop's objective: cross-entropy
     and top-1 hits, compiled with the model; backward; fused SGD step) of spec's model, precision and compile mode.
     `gradient_sync(params)` makes what sums the gradients over `ranks` ranks between the backward and the
-    optimizer step (dali_anchor.py: ddp's FlatGradientSync); the loss is then scaled to their mean, as the trainer's."""
+    optimizer step (dali_anchor.py: ddp's FlatGradientSync); the loss is then scaled to their mean, as the trainer's.
+    `wrap(model)` shards it first (fsdp_step_graph.py): the optimizer then steps each rank's shards."""
     import torch
     from omegaconf import OmegaConf
 
@@ -442,6 +443,7 @@ def ceiling_step(spec: dict, device, gradient_sync=None, ranks: int = 1):
     model_cfg = OmegaConf.load(ROOT / "conf/model" / f"{spec.get('model_yaml', spec['model'])}.yaml")
     model_cfg.update(spec.get("model_options", {}))
     model = build_model(model_cfg, 10, 3).to(device, memory_format=fmt)
+    model = wrap(model) if wrap is not None else model
     optimizer = build_optimizer(OmegaConf.load(ROOT / "conf/optim/sgd.yaml"), model, fused=cuda)
     forward = torch.compile(model, mode=spec["compile_mode"]) if spec["compile"] else model
     objective = build_loss_terms(spec["compile"], spec["compile_mode"] or "default")

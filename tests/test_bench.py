@@ -618,6 +618,31 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
     assert any(not np.array_equal(w, p.detach().numpy()) for w, p in zip(want, untrained.parameters()))  # it stepped
 
 
+def test_fsdp_step_graph_ranks_take_the_step_of_their_whole_batch(tmp_path):
+    """fsdp_step_graph.py's sharding: two gloo ranks keep half of each parameter's rows, gather them in the forward
+    and reduce-scatter the gradients in the backward; after 3 steps on their halves of a batch the whole weights are
+    those one process gets from the whole batch with bench.py's ceiling step."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench import ceiling_step
+
+    out = tmp_path / "whole.pt"
+    args = ["--check", "--gpus", "2", "--steps", "3", "--batch", "8", "--model", "tiny_cnn", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "bench/fsdp_step_graph.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    generator = torch.Generator().manual_seed(1)  # the script's batch: rank r takes rows [8r, 8r + 8)
+    x, y = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+    step, model = ceiling_step(CEILING_CPU, torch.device("cpu"))
+    _, untrained = ceiling_step(CEILING_CPU, torch.device("cpu"))
+    for _ in range(3):
+        step(x, y)
+    want, start = dict(model.named_parameters()), dict(untrained.named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert torch.allclose(got[name], w.detach(), rtol=0, atol=1e-6), name
+        assert (w - start[name]).abs().max() > 1e-4, name  # it stepped: a wrong gradient would show
+
+
 @pytest.mark.parametrize(
     "script, args, wrong",
     [
@@ -631,6 +656,7 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
         ("bench.py", ["--list", "--gpus", "0"], "--gpus"),
         ("bench.py", ["--list", "--batch", "1.5"], "--batch"),
         ("bench.py", ["--list", "--timeout", "nan"], "--timeout"),
+        ("fsdp_step_graph.py", ["--gpus", "0"], "--gpus"),
     ],
 )
 def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wrong):
