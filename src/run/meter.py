@@ -13,10 +13,11 @@ from src.distributed import all_reduce, reduce_max
 
 class GpuDataWait:
     """Seconds the GPU spent between the work queued before a fetch and the work queued after it: idle waiting for
-    the batch, or running the loader's own kernels (copies, crops). Read from CUDA events, without a host sync:
-    when the host fetches while the GPU still runs queued steps, the gap is only the loader's kernels. The
-    host's wait counts the fetch even then, so it overstates what data costs the GPU (with CUDA graphs, 27 %
-    host wait at 0.95x the ceiling)."""
+    the batch, or for the loader's own kernels (copies, crops; those of batches from host memory run on a stream of
+    the loader's, beside the step before, and count only where the step waits for them). Read from CUDA events,
+    without a host sync: when the host fetches while the GPU still runs queued steps, the gap is only the loader's
+    kernels. The host's wait counts the fetch even then, so it overstates what data costs the GPU (with CUDA
+    graphs, 27 % host wait at 0.95x the ceiling)."""
 
     def __init__(self):
         self.pending: collections.deque = collections.deque()
