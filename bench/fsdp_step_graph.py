@@ -179,7 +179,7 @@ def rank_main(args) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps(dict(out, **host(device))))
     torch.cuda.synchronize()
-    del graph  # before the process group: the graph holds the collectives it captured
+    graph.reset()  # before the process group: a graph holding captured NCCL work hangs its destruction (torch#115388)
     if world > 1:
         dist.destroy_process_group()
 
