@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     if args.role:
         rank_main(args)
         return 0
+    if args.check and not args.out:
+        p.error("--check writes the whole weights to --out: give one")
     if not args.check and torch.cuda.device_count() < args.gpus:
         sys.exit(f"fsdp_step_graph.py: --gpus {args.gpus}: this host has {torch.cuda.device_count()} GPUs")
     if args.check:
