@@ -9,8 +9,9 @@ the forward, and its backward reduce-scatters the gradient (fp32), so the collec
 graph, not hooks around it. The forward, backward and fused SGD step (bench.py's ceiling step) are then captured as
 one CUDA graph and replayed: the host launches one graph per step. In the same call, on the same machine: one GPU
 with bench.py's ceiling step (CUDA graphs through torch.compile, the README's one-GPU figure) and one GPU with the
-whole step captured the same way. Data: one random batch left on the GPU. Not a ddplab strategy yet: no checkpoints,
-evaluation or schedules.
+whole step captured the same way; last, the same sharding under inductor's CUDA graphs (compile mode
+reduce-overhead, as ddplab's trainer runs a model), a row or one line saying why it failed. Data: one random batch
+left on the GPU. Not a ddplab strategy yet: no checkpoints, evaluation or schedules.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from src.config.arguments import positive  # noqa: E402  (src is importable once ROOT is on the path)
+from src.config.arguments import positive, positive_number  # noqa: E402  (src is importable once ROOT is on the path)
 from src.reporting.efficiency import host  # noqa: E402
 
 SPEC = {"model": "resnet18", "channels_last": True, "amp": True, "compile": True}  # bench.py's ResNet-18 ceiling
@@ -170,6 +171,18 @@ def rank_main(args) -> None:
             return
         graph = whole_step_graph(step, x, y, args.warmup)
         out["sharded_graph"] = timed(graph.replay, args.steps, 5)
+    elif args.role == "sharded-trees":  # the same sharding under inductor's CUDA graphs, as ddplab's trainer runs
+        graph, dtype = None, torch.bfloat16
+        try:
+            step, _ = ceiling_step(
+                dict(spec, compile_mode="reduce-overhead"),
+                device,
+                ranks=world,
+                wrap=lambda m: shard_parameters(m, dtype),
+            )
+            out["sharded_trees"] = timed(lambda: step(x, y), args.steps, args.warmup)
+        except Exception as error:  # a row saying why, not the end of the measurement
+            out["sharded_trees_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     else:
         step, _ = ceiling_step(dict(spec, compile_mode="reduce-overhead"), device)
         out["one_gpu_ceiling_step"] = timed(lambda: step(x, y), args.steps, args.warmup)
@@ -179,7 +192,13 @@ def rank_main(args) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps(dict(out, **host(device))))
     torch.cuda.synchronize()
-    graph.reset()  # before the process group: a graph holding captured NCCL work hangs its destruction (torch#115388)
+    # before the process group: a graph holding captured NCCL work hangs its destruction (torch#115388)
+    if graph is not None:
+        graph.reset()
+    else:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
     if world > 1:
         dist.destroy_process_group()
 
@@ -191,13 +210,14 @@ def launch(args, role: str, ranks: int, result: str) -> bool:
     cmd += ["--role", role, "--result", result, "--model", args.model, "--batch", str(args.batch)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket" if args.bucket else "--no-bucket"]
     proc = subprocess.Popen(cmd + (["--check"] if args.check else []), start_new_session=True)
-    deadline = None
+    deadline, limit = None, time.monotonic() + args.timeout
     while proc.poll() is None:
         if deadline is None and Path(result).exists():
             deadline = time.monotonic() + 60
-        if deadline is not None and time.monotonic() > deadline:
+        if time.monotonic() > min(deadline or limit, limit):
             os.killpg(proc.pid, 9)
-            print(f"fsdp_step_graph.py: the {role} ranks did not exit a minute after their result; stopped")
+            why = "a minute after their result" if deadline else f"within --timeout {args.timeout:g} s"
+            print(f"fsdp_step_graph.py: the {role} ranks did not exit {why}; stopped")
             break
         time.sleep(0.5)
     return Path(result).exists()
@@ -213,7 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=True, help="one all-gather per step")
     p.add_argument("--check", action="store_true", help="CPU: eager sharded steps for the tests (--gpus gloo ranks)")
     p.add_argument("--out", help="JSON file")
-    p.add_argument("--role", choices=["one", "sharded"], help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=positive_number, default=600, help="seconds per run (default 600)")
+    p.add_argument("--role", choices=["one", "sharded", "sharded-trees"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:
@@ -230,9 +251,18 @@ def main(argv=None) -> int:
         if not (launch(args, "one", 1, str(one)) and launch(args, "sharded", args.gpus, str(sharded))):
             sys.exit("fsdp_step_graph.py: a run wrote no result; its output is above")
         runs = {"one": json.loads(one.read_text()), "sharded": json.loads(sharded.read_text())}
+        trees = Path(tmp, "trees.json")
+        runs["sharded_trees"] = (
+            json.loads(trees.read_text()) if launch(args, "sharded-trees", args.gpus, str(trees)) else {}
+        )
     rows = [("one GPU, ceiling step", runs["one"]["one_gpu_ceiling_step"], 1)]
     rows += [("one GPU, whole-step graph", runs["one"]["one_gpu_graph"], 1)]
     rows += [(f"fsdp x{args.gpus}, whole-step graph", runs["sharded"]["sharded_graph"], args.gpus)]
+    if "sharded_trees" in runs["sharded_trees"]:
+        rows += [(f"fsdp x{args.gpus}, inductor's graphs", runs["sharded_trees"]["sharded_trees"], args.gpus)]
+    else:
+        why = runs["sharded_trees"].get("sharded_trees_error", "no result (its output is above)")
+        print(f"fsdp x{args.gpus} under inductor's CUDA graphs (trainer.compile_mode=reduce-overhead): {why}")
     base = args.batch * rows[0][1]["steps"] / rows[0][1]["gpu_sec"]
     table = []
     for name, t, ranks in rows:
