@@ -100,7 +100,7 @@ def whole_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def whole_step_graph(step, x: torch.Tensor, y: torch.Tensor, warmup: int):
-    """`step(x, y)` captured as one CUDA graph after `warmup` eager steps on a side stream; returns its replay."""
+    """`step(x, y)` captured as one CUDA graph after `warmup` eager steps on a side stream (`.replay()` runs it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -116,7 +116,7 @@ def whole_step_graph(step, x: torch.Tensor, y: torch.Tensor, warmup: int):
 
 
 def timed(run, steps: int, warmup: int) -> dict:
-    """images_per_sec comes from the caller; here: GPU seconds of `steps` calls after `warmup`, and host time."""
+    """GPU seconds (CUDA events) and host seconds of `steps` calls of `run` after `warmup` untimed ones."""
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
@@ -134,7 +134,8 @@ def timed(run, steps: int, warmup: int) -> dict:
 
 
 def rank_main(args) -> None:
-    """One process of a measurement: --role one (one GPU, both ways) or sharded (every rank, the graph)."""
+    """One process of a measurement: --role one (one GPU, both ways), sharded (every rank, the whole-step graph)
+    or sharded-trees (every rank, inductor's CUDA graphs)."""
     from bench import ceiling_step
 
     local = int(os.environ.get("LOCAL_RANK", 0))

@@ -643,6 +643,17 @@ def test_fsdp_step_graph_ranks_take_the_step_of_their_whole_batch(tmp_path):
         assert (w - start[name]).abs().max() > 1e-4, name  # it stepped: a wrong gradient would show
 
 
+def test_fsdp_step_graph_check_without_out_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "bench/fsdp_step_graph.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "fsdp_step_graph.py: error: --check writes the whole weights to --out: give one"
+    )
+
+
 @pytest.mark.parametrize(
     "script, args, wrong",
     [
@@ -657,6 +668,7 @@ def test_fsdp_step_graph_ranks_take_the_step_of_their_whole_batch(tmp_path):
         ("bench.py", ["--list", "--batch", "1.5"], "--batch"),
         ("bench.py", ["--list", "--timeout", "nan"], "--timeout"),
         ("fsdp_step_graph.py", ["--gpus", "0"], "--gpus"),
+        ("fsdp_step_graph.py", ["--timeout", "0"], "--timeout"),
     ],
 )
 def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wrong):
