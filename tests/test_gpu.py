@@ -111,11 +111,16 @@ def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize(
     "units",
-    [(), ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false")],
-    ids=["root", "two-units"],
+    [
+        (),
+        ("strategy.collectives=hooks",),
+        ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false"),
+    ],
+    ids=["root-in-graph", "root-hooks", "two-units"],
 )
 def test_fsdp_under_cuda_graphs_trains_like_compiled_fsdp(tmp_path, cfg_factory, units):
-    """The root as the one unit, or a second unit whose graph reads parameters its own pre-forward gathered."""
+    """The root as the one unit with its collectives inside the graphs (what auto picks) or from FSDP2's hooks, or a
+    second unit whose graph reads parameters its own pre-forward gathered."""
     fsdp = ("strategy=fsdp", "trainer.devices=2", "strategy.checkpoint_format=full", "trainer.max_epochs=3", *units)
     modes = ("default", "reduce-overhead")
     # BatchNorm on: its running statistics are the graphs' static inputs too (2 ranks in both runs: the same model)

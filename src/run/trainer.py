@@ -82,6 +82,10 @@ def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
         finally:
             run.close()
             del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
+            if cfg.trainer.compile and cfg.trainer.compile_mode == "reduce-overhead" and torch.cuda.is_available():
+                from torch._inductor import cudagraph_trees  # graphs that hold collectives (fsdp's in-graph route)
+
+                cudagraph_trees.reset_cudagraph_trees()  # hang the group's destruction (torch#115388)
             destroy_process_group()
             if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
                 torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
@@ -407,9 +411,7 @@ class Trainer:
         total = None
         if self.t.grad_clip or norm:  # a max norm of inf measures without changing a gradient
             self.scaler.unscale_(self.optimizer)
-            params = self.strategy.core.parameters()
-            total = torch.nn.utils.clip_grad_norm_(params, self.t.grad_clip or math.inf)
-            total = total.full_tensor() if hasattr(total, "full_tensor") else total  # fsdp: a DTensor
+            total = self.strategy.clip_gradients(self.t.grad_clip or math.inf)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

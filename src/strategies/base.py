@@ -137,6 +137,11 @@ class Strategy:
     def sync_buffers(self) -> None:
         """Make every rank's buffers (BatchNorm running stats) rank 0's, where the strategy keeps them so."""
 
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients to a global norm of at most `max_norm`; return the norm they had."""
+        total = torch.nn.utils.clip_grad_norm_(self.core.parameters(), max_norm)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total  # fsdp: a DTensor
+
     def eval_module(self) -> nn.Module:
         """The uncompiled module to evaluate with (no-grad mode and an odd last batch would each recompile)."""
         self.sync_buffers()
@@ -237,15 +242,19 @@ class Strategy:
         """The model's blocks, each recomputed as one by activation checkpointing (FSDP: its shard units)."""
         return shard_targets(model, "auto")
 
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters each rank holds whole (FSDP's DTensors are sharded)."""
+        from torch.distributed.tensor import DTensor
+
+        return [p for p in self.core.parameters() if not isinstance(p, DTensor)]
+
     def replicas_agree(self, device: torch.device) -> dict[str, bool]:
         """Are the parameters / BatchNorm running stats identical on every rank? Sharded (FSDP) parameters
         exist once and agree by construction; replicated ones are compared through an all-reduce of max and min."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return {"params_in_sync": True, "bn_buffers_in_sync": True}
-        from torch.distributed.tensor import DTensor
-
         groups = {
-            "params_in_sync": [p for p in self.core.parameters() if not isinstance(p, DTensor)],
+            "params_in_sync": self.replicated_parameters(),
             "bn_buffers_in_sync": [b for n, b in self.core.named_buffers() if "running_" in n],
         }
         result = {}

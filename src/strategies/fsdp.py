@@ -1,5 +1,6 @@
 """`FSDP`: FSDP2 (fully_shard) with compile per unit, prefetch, mixed precision, CPU offload and sharded
-(DCP) checkpoints."""
+(DCP) checkpoints; or, where the whole model is one unit under CUDA graphs, the collectives inside the compiled
+graph (src/strategies/graph_shards.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from src.config.schema import Positive
 from src.state import checkpoint as ckpt
 from src.strategies.base import Context, _broadcast_from_rank0, _dcp, _Distributed
 from src.strategies.blocks import _replace, inside, shard_targets
+from src.strategies.graph_shards import dtensor_views, shard_rows, sharded_grad_norm, unshardable
 from src.strategies.local_shards import step_on_local_shards
 
 
@@ -33,8 +35,10 @@ class FSDP(_Distributed):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # of the gradient reduce-scatter
     cpu_offload: bool = False  # sharded parameters, gradients and optimizer step on the CPU
     checkpoint_format: Literal["sharded", "full"] = "sharded"
+    collectives: Literal["auto", "hooks", "graph"] = "auto"  # FSDP2's hooks around units, or ops in the graph
 
     _blocks_in_root: ClassVar[bool] = False  # set by wrap
+    _shards: ClassVar[list] = []  # set by wrap on the in-graph route: the sharded parameters
     auto_block_mib: ClassVar[float] = 32.0  # auto shards each block on its own from this mean block size (fp32)
 
     name: ClassVar[str] = "fsdp"
@@ -58,8 +62,11 @@ class FSDP(_Distributed):
         from src.models import build_model
 
         with torch.device("meta"):
-            blocks = self.blocks(build_model(cfg.model, num_classes=10, in_channels=3, start=False))
+            model = build_model(cfg.model, num_classes=10, in_channels=3, start=False)
+        blocks = self.blocks(model)
         t = cfg.trainer
+        if self.collectives == "graph":
+            self._check_in_graph(model, blocks)
         if t.compile and t.compile_mode == "reduce-overhead":
             if self.per_block(blocks) and self.reshard_after_forward is not False:
                 raise ConfigError(
@@ -73,6 +80,38 @@ class FSDP(_Distributed):
                     "trainer.compile_mode=reduce-overhead (CUDA graphs) does not work with strategy.cpu_offload=true "
                     "(the parameters live on the CPU); set trainer.compile_mode=default"
                 )
+
+    def _check_in_graph(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        """strategy.collectives=graph gathers the whole model once per step, on the device, by rows."""
+        why = unshardable(model)
+        if why:
+            why = f"{why}; keep each parameter in one module with at least one dimension"
+        elif self.per_block(blocks):
+            why = (
+                f"strategy.shard_modules={self.shard_modules} makes {len(blocks)} units; set "
+                f"strategy.shard_modules=root"
+            )
+        elif self.cpu_offload:
+            why = "the parameters then live on the CPU; drop strategy.cpu_offload"
+        elif not isinstance(self.reshard_after_forward, bool):
+            why = f"strategy.reshard_after_forward={self.reshard_after_forward} regathers from groups of ranks; drop it"
+        if why:
+            raise ConfigError(
+                f"strategy.collectives=graph gathers the whole model inside its compiled graph, but {why} "
+                f"or set strategy.collectives=hooks"
+            )
+
+    def gathers_in_graph(self, model: nn.Module, per_block: bool, cuda_graphs: bool) -> bool:
+        """The in-graph route: asked for, or (auto) where CUDA graphs would replay a whole-model unit: there FSDP2's
+        hooks leave the host launching the collectives around the graphs, at a few ms per step."""
+        if self.collectives == "auto":
+            one_unit = not per_block and not self.cpu_offload and isinstance(self.reshard_after_forward, bool)
+            return cuda_graphs and one_unit and unshardable(model) is None
+        return self.collectives == "graph"
+
+    def hparams(self, cfg):
+        """gradient_sync: the reduce-scatter inside the compiled graph (`graph`) or from FSDP2's hooks (after wrap)."""
+        return {**super().hparams(cfg), "gradient_sync": "graph" if self._shards else "hooks"}
 
     def memory_fixes(self, devices):
         fixes = ["set strategy.shard_modules=blocks"] if self._blocks_in_root else []
@@ -96,18 +135,25 @@ class FSDP(_Distributed):
             return bool(blocks) and mib / len(blocks) >= self.auto_block_mib
         return self.shard_modules != "root"
 
+    def dtypes(self, ctx: Context) -> tuple[torch.dtype | None, torch.dtype]:
+        """(the dtype parameters are gathered in, None: as kept; the dtype gradients are reduced in)."""
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        param = dtypes[self.param_dtype] if self.param_dtype else ctx.amp_dtype if ctx.amp else None
+        return param, dtypes[self.reduce_dtype]
+
     def mp_policy(self, ctx: Context):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-        param = dtypes[self.param_dtype] if self.param_dtype else ctx.amp_dtype if ctx.amp else None
-        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=dtypes[self.reduce_dtype])
+        param, reduce = self.dtypes(ctx)
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
     def wrap(self, model, ctx):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         blocks = self.blocks(model)
         per_block = self.per_block(blocks)
+        if self.gathers_in_graph(model, per_block, ctx.cuda_graphs):
+            return self._wrap_in_graph(model, ctx)
         units = blocks if per_block else []
         if ctx.compile and per_block:  # one graph per block (repeated blocks share it); FSDP's hooks outside them
             parts = _compiled_parts(model, units)
@@ -140,8 +186,19 @@ class FSDP(_Distributed):
         self.eager = _Eager(model) if ctx.compile else model
         return self.model
 
+    def _wrap_in_graph(self, model: nn.Module, ctx: Context) -> nn.Module:
+        """Each parameter kept as this rank's rows, gathered by an op of the model's graph; the model compiled whole."""
+        param, reduce = self.dtypes(ctx)
+        self._shards = shard_rows(model, param or torch.float32, reduce)
+        self.fused_optimizer = True  # the parameters are plain tensors: torch's fused kernels take them
+        self.core = self.eager = model
+        self.model = ctx.compiled(model)
+        return self.model
+
     def prepare_optimizer(self, optimizer, fused):
         """Stepped over the local shards, fused on CUDA unless they live on the CPU (src/strategies/local_shards.py)."""
+        if self._shards:  # already over the plain rows
+            return optimizer
         return step_on_local_shards(optimizer, fused and not self.cpu_offload)
 
     def eval_module(self):
@@ -149,7 +206,37 @@ class FSDP(_Distributed):
         return self.eager
 
     def sync_context(self, boundary):
+        if self._shards:  # each backward reduce-scatters inside its graph: the micro-steps' shards add up
+            return contextlib.nullcontext()
         return contextlib.nullcontext() if boundary else _fsdp_no_sync(self.core)
+
+    def clip_gradients(self, max_norm):
+        if not self._shards:
+            return super().clip_gradients(max_norm)
+        total = sharded_grad_norm(self._shards)
+        params = [s.module._parameters[s.name] for s in self._shards]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def replicated_parameters(self):
+        return [] if self._shards else super().replicated_parameters()
+
+    # the in-graph route shows its rows to torch's state-dict helpers as FSDP2's DTensors
+    def state_dict(self, optimizer):
+        with dtensor_views(self._shards, optimizer):
+            return super().state_dict(optimizer)
+
+    def load_state_dict(self, model_state, optimizer=None, optim_state=None, strict=True):
+        with dtensor_views(self._shards, optimizer):
+            return super().load_state_dict(model_state, optimizer, optim_state, strict)
+
+    def ema_state(self, full):
+        with dtensor_views(self._shards):
+            return super().ema_state(full)
+
+    def load_checkpoint(self, path, optimizer=None, head=frozenset()):
+        with dtensor_views(self._shards, optimizer):
+            return super().load_checkpoint(path, optimizer, head)
 
     def sync_buffers(self):
         """FSDP2 leaves buffers (BatchNorm running stats) replicated and unsynchronized: take rank 0's, as
@@ -158,6 +245,10 @@ class FSDP(_Distributed):
             _broadcast_from_rank0(self.core, parameters=False)
 
     def save_checkpoint(self, directory, names, optimizer, state, primary):
+        with dtensor_views(self._shards, optimizer):
+            self._save_checkpoint(directory, names, optimizer, state, primary)
+
+    def _save_checkpoint(self, directory, names, optimizer, state, primary):
         if self.checkpoint_format == "full":
             return super().save_checkpoint(directory, names, optimizer, state, primary)
         self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0

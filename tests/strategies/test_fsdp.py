@@ -27,6 +27,7 @@ from src.run.trainer import train
 from src.state import checkpoint as ckpt
 from src.strategies import FSDP, Context, Single, apply_activation_checkpointing, shard_targets
 from tests.conftest import ROOT, make_cfg, read_metrics, run_cli, start_train
+from tests.reporting.test_loggers import _steps_csv
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,15 @@ def checkpointed_tiny_cnn(
     """TinyCNN as the trainer builds it with activation checkpointing on (before the strategy wraps it)."""
     model = TinyCNN(num_classes, in_channels, width, batch_norm)
     apply_activation_checkpointing(model)
+    return model
+
+
+def scalar_tiny_cnn(
+    num_classes: int, in_channels: int = 3, width: Annotated[int, Positive] = 16, batch_norm: bool = True
+) -> nn.Module:
+    """TinyCNN with a scalar parameter (no rows to shard)."""
+    model = TinyCNN(num_classes, in_channels, width, batch_norm)
+    model.temperature = nn.Parameter(torch.ones(()))
     return model
 
 
@@ -84,6 +94,7 @@ def reference(tmp_path_factory):
         ("strategy.reduce_dtype=fp16", "strategy.reduce_dtype must be one of fp32, bf16, got 'fp16'"),
         ("strategy.cpu_offload=1", "strategy.cpu_offload must be true or false, got 1"),
         ("strategy.checkpoint_format=zip", "strategy.checkpoint_format must be one of sharded, full, got 'zip'"),
+        ("strategy.collectives=nccl", "strategy.collectives must be one of auto, hooks, graph, got 'nccl'"),
         (
             "strategy.reshard_after_forward=0",
             "strategy.reshard_after_forward must be true or false or a positive integer, got 0",
@@ -120,7 +131,10 @@ def test_cuda_graphs_are_refused_before_any_process_where_fsdp_gathers_more_than
 
 @pytest.mark.parametrize(
     "units",
-    [("strategy.shard_modules=root",), ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false")],
+    [
+        ("strategy.shard_modules=root", "strategy.collectives=hooks"),
+        ("strategy.shard_modules=[features.1]", "strategy.reshard_after_forward=false"),
+    ],
     ids=["root", "two-units"],
 )
 def test_graph_mode_keeps_batchnorm_statistics_of_the_compiled_fsdp_model(reference, cfg_factory, tmp_path, units):
@@ -181,6 +195,96 @@ def test_reshard_to_a_smaller_group_on_four_ranks_matches_single(single_nobn, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_metrics(tmp_path / "fsdp4")["hparams"]["world_size"] == 4
     assert_same(last_weights(tmp_path / "fsdp4"), last_weights(single_nobn), rtol=1e-4, atol=1e-6)
+
+
+# --- the in-graph route: collectives inside the compiled graph ------------------------------------------
+
+GRAPH = ("strategy=fsdp", "trainer.devices=2", "strategy.collectives=graph")
+CUDA_GRAPHS = ("trainer.compile=true", "trainer.compile_mode=reduce-overhead")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [GRAPH, ("strategy=fsdp", "trainer.devices=2", *CUDA_GRAPHS), (*GRAPH, "strategy.checkpoint_format=full")],
+    ids=["eager", "auto-under-cuda-graphs", "full-checkpoints"],
+)
+def test_the_in_graph_route_trains_evaluates_and_saves_as_fsdp2(reference, cfg_factory, tmp_path, options):
+    """Each rank's rows gathered by an op of the model (compiled: inside its graph, which `auto` picks under CUDA
+    graphs): the same weights, BatchNorm statistics, evaluation and checkpoint names as FSDP2's hooks."""
+    final = launch(cfg_factory(*STEPS, *options))
+    assert_same(last_weights(tmp_path / "run"), last_weights(reference), rtol=1e-4, atol=1e-6)
+    assert final["test_loss"] == pytest.approx(read_metrics(reference)["final"]["test_loss"], rel=1e-5)
+    assert read_metrics(tmp_path / "run")["hparams"]["gradient_sync"] == "graph"
+    assert read_metrics(reference)["hparams"]["gradient_sync"] == "hooks"
+    full = "strategy.checkpoint_format=full" in options
+    assert (tmp_path / "run/checkpoints/last.pt").is_file() == full
+    assert (tmp_path / "run/checkpoints/last").is_dir() != full
+
+
+def test_the_in_graph_route_on_four_ranks_with_uneven_rows_matches_single(single_nobn, tmp_path):
+    """torch.chunk's rows of 4 ranks: the head's 10 rows are 3, 3, 3 and 1 (torchrun: 4 processes)."""
+    proc = run_cli(
+        str(ROOT / "train.py"),
+        "debug=fast",
+        "model.batch_norm=false",
+        *STEPS,
+        *GRAPH[:1],
+        GRAPH[2],
+        f"hydra.run.dir={tmp_path}/graph4",
+        command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(tmp_path / "graph4")["hparams"]["world_size"] == 4
+    assert_same(last_weights(tmp_path / "graph4"), last_weights(single_nobn), rtol=1e-4, atol=1e-6)
+
+
+def test_the_in_graph_route_clips_by_the_global_norm_averages_and_resumes_from_fsdp2(cfg_factory, tmp_path):
+    """grad_clip below the gradients' norm (each rank's rows alone have a smaller one), an EMA, and a resume from
+    FSDP2's sharded checkpoint of epoch 1 that ends where FSDP2 ends, momentum and average included."""
+    common = (*STEPS[:-2], "trainer.max_epochs=2", "trainer.save_top_k=2", "trainer.grad_clip=0.05")
+    common += ("trainer.ema.decay=0.5", "model.batch_norm=false", "data.batch_size=64")
+    common += ("logger=[csv]", "trainer.log_every_n_steps=1")
+    launch(cfg_factory(*common, *FSDP2, sub="hooks"))
+    launch(cfg_factory(*common, *GRAPH, sub="graph"))
+    hooks, graph = (ckpt.load_full(tmp_path / f"{d}/run/checkpoints/last") for d in ("hooks", "graph"))
+    for key in ("model", "ema"):
+        assert_same(graph[key], hooks[key], rtol=1e-4, atol=1e-6)
+    norms = [[row["grad_norm"] for row in _steps_csv(tmp_path / f"{d}/run")] for d in ("hooks", "graph")]
+    assert len(norms[1]) == 6 and min(norms[1]) > 0.05, norms  # the clip was active at every step
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+    (epoch1,) = (tmp_path / "hooks/run/checkpoints").glob("epoch1-*")
+    launch(cfg_factory(*common, *GRAPH, f"trainer.resume={epoch1}", sub="resumed"))
+    resumed = ckpt.load_full(tmp_path / "resumed/run/checkpoints/last")
+    for key in ("model", "ema"):
+        assert_same(resumed[key], hooks[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (
+            "strategy.shard_modules=blocks",
+            "but strategy.shard_modules=blocks makes 2 units; set strategy.shard_modules=root",
+        ),
+        ("strategy.cpu_offload=true", "but the parameters then live on the CPU; drop strategy.cpu_offload"),
+        ("strategy.reshard_after_forward=2", "but strategy.reshard_after_forward=2 regathers from groups of ranks"),
+        (f"model._target_={__name__}.scalar_tiny_cnn", "but temperature has no rows (a scalar); keep each parameter"),
+    ],
+)
+def test_the_in_graph_route_refuses_what_it_cannot_do_before_any_process(cfg_factory, option, message):
+    with pytest.raises(ConfigError) as err:
+        launch(cfg_factory(*GRAPH, option))
+    assert message in str(err.value) and str(err.value).endswith("or set strategy.collectives=hooks")
+    assert "\n" not in str(err.value)
+
+
+def test_auto_takes_the_in_graph_route_only_under_cuda_graphs_for_a_model_it_can_shard_by_rows():
+    fsdp = FSDP()
+    assert fsdp.gathers_in_graph(TinyCNN(10), per_block=False, cuda_graphs=True)
+    assert not fsdp.gathers_in_graph(TinyCNN(10), per_block=False, cuda_graphs=False)
+    assert not fsdp.gathers_in_graph(TinyCNN(10), per_block=True, cuda_graphs=True)
+    assert not fsdp.gathers_in_graph(scalar_tiny_cnn(10), per_block=False, cuda_graphs=True)
+    assert not FSDP(cpu_offload=True).gathers_in_graph(TinyCNN(10), per_block=False, cuda_graphs=True)
 
 
 # --- layout: compile per block before sharding, prefetch ---------------------------------------------

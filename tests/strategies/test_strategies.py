@@ -40,16 +40,20 @@ def single_reference(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp-after_backward", "fsdp"])
+SYNC = {"ddp": "reducer", "ddp-after_backward": "after_backward", "fsdp": "hooks", "fsdp-graph": "graph"}
+
+
+@pytest.mark.parametrize("strategy", list(SYNC))
 def test_two_ranks_end_where_single_ends(single_reference, cfg_factory, tmp_path, strategy):
     # after_backward with channels_last: the flat all-reduce keeps each gradient's memory layout
     extra = ["strategy.gradient_sync=after_backward", "trainer.channels_last=true"] if "after" in strategy else []
-    strategy = strategy.split("-")[0]
+    extra += ["strategy.collectives=graph"] if "graph" in strategy else []
+    sync, strategy = SYNC[strategy], strategy.split("-")[0]
     metrics = launch(cfg_factory(*SAME_STEPS, f"strategy={strategy}", "trainer.devices=2", *extra))
     assert_same_weights(single_reference / "nobn/run/checkpoints/last.pt", find(tmp_path / "run/checkpoints", "last"))
     m = read_metrics(tmp_path / "run")
     assert m["hparams"]["world_size"] == 2 and m["hparams"]["per_device_batch"] == 32
-    assert m["hparams"]["gradient_sync"] == ("after_backward" if extra else "reducer" if strategy == "ddp" else "none")
+    assert m["hparams"]["gradient_sync"] == sync
     assert metrics["params_in_sync"] is True
     ref = read_metrics(single_reference / "nobn/run")["final"]
     assert metrics["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
