@@ -138,8 +138,9 @@ class FSDP(_Distributed):
     def dtypes(self, ctx: Context) -> tuple[torch.dtype | None, torch.dtype]:
         """(the dtype parameters are gathered in, None: as kept; the dtype gradients are reduced in)."""
         dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-        param = dtypes[self.param_dtype] if self.param_dtype else ctx.amp_dtype if ctx.amp else None
-        return param, dtypes[self.reduce_dtype]
+        # on the CPU, BatchNorm's kernel takes no bf16 weights: there autocast alone computes in amp's dtype
+        from_amp = ctx.amp_dtype if ctx.amp and ctx.device.type == "cuda" else None
+        return dtypes[self.param_dtype] if self.param_dtype else from_amp, dtypes[self.reduce_dtype]
 
     def mp_policy(self, ctx: Context):
         from torch.distributed.fsdp import MixedPrecisionPolicy

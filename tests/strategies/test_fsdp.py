@@ -617,3 +617,11 @@ def test_units_named_by_path_are_sharded_and_the_blocks_around_them_compiled():
         ConfigError, match=r"matches no module of the model; choose among the classes .* paths \['conv1'"
     ):
         FSDP(shard_modules=["layer9"]).blocks(model)
+
+
+@pytest.mark.parametrize("collectives", ["hooks", "graph"])
+def test_amp_on_the_cpu_trains_with_batchnorm_on_fp32_weights(reference, cfg_factory, tmp_path, collectives):
+    """trainer.amp=true on the CPU: autocast computes in bf16 from the fp32 weights (BatchNorm's CPU kernel takes no
+    bf16 weights, which FSDP2 gathered there before)."""
+    launch(cfg_factory(*STEPS, *FSDP2[:2], "trainer.amp=true", f"strategy.collectives={collectives}"))
+    assert_near(last_weights(tmp_path / "run"), last_weights(reference), rel=0.05)  # 4 steps of bf16 rounding
