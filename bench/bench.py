@@ -428,7 +428,8 @@ def ceiling_step(spec: dict, device, gradient_sync=None, ranks: int = 1, wrap=No
     and top-1 hits, compiled with the model; backward; fused SGD step) of spec's model, precision and compile mode.
     `gradient_sync(params)` makes what sums the gradients over `ranks` ranks between the backward and the
     optimizer step (dali_anchor.py: ddp's FlatGradientSync); the loss is then scaled to their mean, as the trainer's.
-    `wrap(model)` shards it first (fsdp_step_graph.py): the optimizer then steps each rank's shards."""
+    `wrap(model)` shards it first (fsdp_step_graph.py: gradients averaged over the ranks, so `ranks` stays 1): the
+    optimizer then steps each rank's shards."""
     import torch
     from omegaconf import OmegaConf
 

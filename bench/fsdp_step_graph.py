@@ -4,14 +4,14 @@ sharded step (issue 34, item 3; bench/results/fsdp-small-work_2xh200_2026-11-28.
 
     python bench/fsdp_step_graph.py --gpus 2 --out X.json
 
-Each rank keeps its rows of every parameter (dim 0, as FSDP2). A parametrization all-gathers them (bf16 on CUDA) in
-the forward, and its backward reduce-scatters the gradient (fp32), so the collectives are ops inside the compiled
-graph, not hooks around it. The forward, backward and fused SGD step (bench.py's ceiling step) are then captured as
-one CUDA graph and replayed: the host launches one graph per step. In the same call, on the same machine: one GPU
-with bench.py's ceiling step (CUDA graphs through torch.compile, the README's one-GPU figure) and one GPU with the
-whole step captured the same way; last, the same sharding under inductor's CUDA graphs (compile mode
-reduce-overhead, as ddplab's trainer runs a model), a row or one line saying why it failed. Data: one random batch
-left on the GPU. Not a ddplab strategy yet: no checkpoints, evaluation or schedules.
+Each rank keeps its rows of every parameter, as fsdp's in-graph route does (`strategy.collectives=graph`,
+src/strategies/graph_shards.py): reading a parameter all-gathers it (bf16 on CUDA) and its backward reduce-scatters
+the gradient (fp32), ops inside the compiled graph, not hooks around it. The forward, backward and fused SGD step
+(bench.py's ceiling step) are then captured as one CUDA graph and replayed: the host launches one graph per step. In
+the same call, on the same machine: one GPU with bench.py's ceiling step (CUDA graphs through torch.compile, the
+README's one-GPU figure) and one GPU with the whole step captured the same way; last, the sharding under inductor's
+CUDA graphs (compile mode reduce-overhead, as ddplab's trainer runs it), a row or one line saying why it failed.
+Data: one random batch left on the GPU: the ceiling of the route's step, without the loop.
 """
 
 from __future__ import annotations
@@ -34,69 +34,25 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from src.config.arguments import positive, positive_number  # noqa: E402  (src is importable once ROOT is on the path)
 from src.reporting.efficiency import host  # noqa: E402
+from src.strategies.graph_shards import shard_rows  # noqa: E402
 
 SPEC = {"model": "resnet18", "channels_last": True, "amp": True, "compile": True}  # bench.py's ResNet-18 ceiling
 
 
-class GatherShard(torch.autograd.Function):
-    """A rank's rows of a parameter (dim 0, padded to a multiple of the ranks) -> the whole parameter (all-gather);
-    its gradient -> this rank's rows of the sum of the ranks' gradients (reduce-scatter). Functional collectives,
-    so that torch.compile traces them into the graph."""
-
-    @staticmethod
-    def forward(ctx, shard, rows, group, dtype):
-        import torch.distributed._functional_collectives as fc
-
-        ctx.group, ctx.dtype, ctx.padded = group, shard.dtype, shard.shape[0] * dist.get_world_size(group)
-        return fc.all_gather_tensor(shard.to(dtype), 0, group)[:rows]
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed._functional_collectives as fc
-
-        grad = grad.to(ctx.dtype)
-        if ctx.padded > grad.shape[0]:
-            grad = torch.cat([grad, grad.new_zeros(ctx.padded - grad.shape[0], *grad.shape[1:])])
-        return fc.reduce_scatter_tensor(grad.contiguous(), "sum", 0, ctx.group), None, None, None
-
-
-class Sharded(torch.nn.Module):
-    """The parametrization: the module keeps this rank's rows of the parameter (right_inverse), as FSDP2's
-    Shard(0) does (so the optimizer's groups still see its dimensions), and reads the whole."""
-
-    def __init__(self, rows: int, group, dtype: torch.dtype):
-        super().__init__()
-        self.rows, self.group, self.dtype = rows, group, dtype
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return GatherShard.apply(shard, self.rows, self.group, self.dtype)
-
-    def right_inverse(self, whole: torch.Tensor) -> torch.Tensor:
-        whole = whole.detach().contiguous()
-        pad = -whole.shape[0] % self.world
-        whole = torch.cat([whole, whole.new_zeros(pad, *whole.shape[1:])]) if pad else whole
-        return whole.chunk(self.world)[self.rank].clone()
-
-
-def shard_parameters(model: torch.nn.Module, dtype: torch.dtype, group=None) -> torch.nn.Module:
-    """Every parameter of `model` kept as this rank's rows (the optimizer steps them)."""
-    from torch.nn.utils import parametrize
-
-    group = group or dist.group.WORLD
-    for module in list(model.modules()):
-        for name, param in list(module.named_parameters(recurse=False)):
-            parametrize.register_parametrization(module, name, Sharded(param.shape[0], group, dtype), unsafe=True)
+def sharded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with fsdp's in-graph sharding (src/strategies/graph_shards.py, `strategy.collectives=graph`): each
+    rank keeps its rows of every parameter, gathered in `dtype`; the gradients are reduced in fp32 and averaged."""
+    shard_rows(model, dtype, torch.float32)
     return model
 
 
-def whole_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, the whole parameter) of a sharded model, in the order of the model's own parameters (collective)."""
-    out = []
-    for prefix, module in model.named_modules():
-        for name in getattr(module, "parametrizations", {}):
-            out.append((f"{prefix}.{name}" if prefix else name, getattr(module, name)))
-    return out
+def whole_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter of a sharded model, whole, by its name (collective: reading one gathers it)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: getattr(module, name).detach().clone()
+        for prefix, module in model.named_modules()
+        for name in module._parameters
+    }
 
 
 def whole_step_graph(step, x: torch.Tensor, y: torch.Tensor, warmup: int):
@@ -161,11 +117,11 @@ def rank_main(args) -> None:
     out = {"role": args.role, "world": world, "batch_per_gpu": args.batch, "model": args.model}
     if args.role == "sharded":
         dtype = torch.bfloat16 if cuda else torch.float32
-        step, model = ceiling_step(spec, device, ranks=world, wrap=lambda m: shard_parameters(m, dtype))
+        step, model = ceiling_step(spec, device, wrap=lambda m: sharded(m, dtype))  # averaged: the loss of one rank
         if args.check:
             for _ in range(args.steps):
                 step(x, y)
-            whole = {name: tensor.detach().clone() for name, tensor in whole_parameters(model)}  # every rank gathers
+            whole = whole_parameters(model)  # every rank gathers
             if rank == 0:
                 torch.save(whole, args.result)
             dist.destroy_process_group()
@@ -178,8 +134,7 @@ def rank_main(args) -> None:
             step, _ = ceiling_step(
                 dict(spec, compile_mode="reduce-overhead"),
                 device,
-                ranks=world,
-                wrap=lambda m: shard_parameters(m, dtype),
+                wrap=lambda m: sharded(m, dtype),
             )
             out["sharded_trees"] = timed(lambda: step(x, y), args.steps, args.warmup)
         except Exception as error:  # a row saying why, not the end of the measurement

@@ -619,9 +619,9 @@ def test_the_ceiling_step_over_two_ranks_takes_the_step_of_their_whole_batch():
 
 
 def test_fsdp_step_graph_ranks_take_the_step_of_their_whole_batch(tmp_path):
-    """fsdp_step_graph.py's sharding: two gloo ranks keep half of each parameter's rows, gather them in the forward
-    and reduce-scatter the gradients in the backward; after 3 steps on their halves of a batch the whole weights are
-    those one process gets from the whole batch with bench.py's ceiling step."""
+    """fsdp_step_graph.py's sharding (fsdp's in-graph route): two gloo ranks keep half of each parameter's rows,
+    gather them in the forward and reduce-scatter the gradients in the backward; after 3 steps on their halves of a
+    batch the whole weights are those one process gets from the whole batch with bench.py's ceiling step."""
     sys.path.insert(0, str(ROOT / "bench"))
     from bench import ceiling_step
 
