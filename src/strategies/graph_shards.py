@@ -78,15 +78,16 @@ def shard_rows(model: nn.Module, dtype: torch.dtype, reduce_dtype: torch.dtype, 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shards = []
     for module in list(model.modules()):
-        names = [name for name, p in module._parameters.items() if p is not None]
-        for name in names:
-            whole = module._parameters[name]
+        gathers = {}  # name -> _GatherRows' arguments after the rows
+        for name, whole in list(module._parameters.items()):
+            if whole is None:
+                continue
             chunk = -(-whole.shape[0] // world)
             rows = whole.detach().contiguous()[rank * chunk : (rank + 1) * chunk].clone()
             module._parameters[name] = nn.Parameter(rows, requires_grad=whole.requires_grad)
             shards.append(RowShard(module, name, whole.shape, chunk))
-        if names:
-            gathers = {s.name: (s.shape[0], s.chunk, group, dtype, reduce_dtype) for s in shards if s.module is module}
+            gathers[name] = (whole.shape[0], chunk, group, dtype, reduce_dtype)
+        if gathers:
             module._gather_rows = gathers
             module.__class__ = _gathering_class(type(module), tuple(gathers))
     return shards
@@ -119,29 +120,30 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    if not shards or getattr(shards[0].module, "_in_dtensor_view", False):  # nested: the outer view serves
+    if not shards or _is_dtensor(shards[0].module._parameters[shards[0].name]):  # nested: the outer view serves
         yield
         return
-    rows = {id(s): s.module._parameters[s.name] for s in shards}
-    mesh = DeviceMesh.from_group(dist.group.WORLD, rows[id(shards[0])].device.type)
-    stride = {id(s): torch.empty(s.shape, device="meta").stride() for s in shards}
+    plains = [s.module._parameters[s.name] for s in shards]
+    shard_of = dict(zip(plains, shards))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, plains[0].device.type)
 
-    def view(shard, tensor):
-        return DTensor.from_local(
-            tensor, mesh, [Shard(0)], run_check=False, shape=shard.shape, stride=stride[id(shard)]
-        )
+    def view(plain, tensor):
+        shape = shard_of[plain].shape
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
-    views, gathering = {}, {}
-    for s in shards:
-        plain = rows[id(s)]
-        views[plain] = nn.Parameter(view(s, plain.detach()), requires_grad=plain.requires_grad)
+    def state_view(plain, value):  # the optimizer's per-row state (momentum, Adam's moments), not its scalars
+        tensor = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == plain.shape
+        return view(plain, value) if tensor and plain in shard_of else value
+
+    views = {p: nn.Parameter(view(p, p.detach()), requires_grad=p.requires_grad) for p in plains}
+    plain_of = {v: p for p, v in views.items()}
+    gathering = {}  # module -> its gathering class, while the helpers read `module.<name>` as the parameter
+    for s, plain in zip(shards, plains):
         s.module._parameters[s.name] = views[plain]
-        s.module._in_dtensor_view = True
-        if s.module not in gathering:  # the module's own class: the helpers read `module.<name>` as the parameter
+        if s.module not in gathering:
             gathering[s.module] = type(s.module)
             s.module.__class__ = type(s.module).__bases__[0]
-    plain_of = {v: p for p, v in views.items()}
-    shard_of = {rows[id(s)]: s for s in shards}
     fused = []
     if optimizer is not None:
         for group in optimizer.param_groups:
@@ -149,17 +151,16 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
             fused.append(group.get("fused"))
             if group.get("fused"):  # torch's fused kernels take no DTensors (its helpers may step once, lr 0)
                 group["fused"] = False
-        optimizer.state = _rekeyed(optimizer.state, views, lambda p, v: _as_view(v, p, shard_of, view))
+        optimizer.state = _rekeyed(optimizer.state, views, state_view)
     try:
         yield
     finally:
         with torch.no_grad():
-            for s in shards:
-                current, plain = s.module._parameters[s.name], rows[id(s)]
+            for s, plain in zip(shards, plains):
+                current = s.module._parameters[s.name]
                 if current is not views[plain]:  # a helper assigned a new parameter: keep its values, not it
                     plain.copy_(current.to_local())
                 s.module._parameters[s.name] = plain
-                s.module._in_dtensor_view = False
             for module, cls in gathering.items():
                 module.__class__ = cls
         if optimizer is not None:
@@ -172,12 +173,6 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
 
 def _is_dtensor(value) -> bool:
     return hasattr(value, "to_local")
-
-
-def _as_view(value, plain, shard_of, view):
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == plain.shape and plain in shard_of:
-        return view(shard_of[plain], value)
-    return value
 
 
 def _rekeyed(state, keys: dict, convert):

@@ -228,8 +228,8 @@ def test_the_in_graph_route_on_four_ranks_with_uneven_rows_matches_single(single
         "debug=fast",
         "model.batch_norm=false",
         *STEPS,
-        *GRAPH[:1],
-        GRAPH[2],
+        "strategy=fsdp",
+        "strategy.collectives=graph",
         f"hydra.run.dir={tmp_path}/graph4",
         command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"],
     )
