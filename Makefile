@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 SWEEP  ?=
 
-.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-decode-cpus bench-dali bench-dali-engine bench-airbench bench-fsdp-graph slurm-install clean
+.PHONY: help install train test test-fast lint format report tensorboard bench bench-strategies bench-data bench-decode bench-decode-cpus bench-dali bench-dali-engine bench-airbench bench-fsdp-graph bench-fsdp-small slurm-install clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -82,6 +82,10 @@ bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GP
 
 bench-fsdp-graph: install  ## fsdp's whole step as one CUDA graph (ResNet-18, 512 per GPU) beside one GPU (GPU): FSDP_GPUS=2
 	$(PY) bench/fsdp_step_graph.py --gpus $(or $(FSDP_GPUS),2) --out outputs/bench/fsdp-step-graph.json $(ARGS)
+
+bench-fsdp-small: install  ## ResNet-18 at 512 per GPU: fsdp x2 under CUDA graphs (collectives in the graphs) beside one GPU (GPU)
+	$(PY) bench/bench.py --epochs 10 --gpus 2 --only 'single1-gpu,fsdp2-gpu' --override trainer.compile_mode=reduce-overhead \
+		--out outputs/bench/fsdp-small.json $(ARGS)
 
 ZIP ?= ../shared/datasets/cifar10-jpeg.zip
 MAX_SIDE ?=

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from src.config.arguments import positive, positive_number  # noqa: E402  (src is importable once ROOT is on the path)
 from src.reporting.efficiency import host  # noqa: E402
-from src.strategies.graph_shards import shard_rows  # noqa: E402
+from src.strategies.graph_shards import BUCKETED, shard_rows  # noqa: E402
 
 SPEC = {"model": "resnet18", "channels_last": True, "amp": True, "compile": True}  # bench.py's ResNet-18 ceiling
 
@@ -103,8 +103,9 @@ def rank_main(args) -> None:
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank() if world > 1 else 0
-    if args.bucket:
-        torch._inductor.config.bucket_all_gathers_fx = "all"
+    if args.bucket:  # as the trainer compiles its in-graph route
+        for key, value in BUCKETED.items():
+            setattr(torch._inductor.config, key, value)
     spec = dict(SPEC, model=args.model, compile_mode=None, batch=args.batch)
     if args.check:  # a few eager steps on the CPU; the test compares the whole weights with one process's
         spec = dict(spec, channels_last=False, amp=False, compile=False)
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=positive, default=512, help="images per GPU per step (default 512)")
     p.add_argument("--warmup", type=positive, default=30, help="untimed steps first (compilation, autotuning)")
     p.add_argument("--steps", type=positive, default=500, help="timed steps")
-    p.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=True, help="one all-gather per step")
+    p.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=True, help="merged collectives")
     p.add_argument("--check", action="store_true", help="CPU: eager sharded steps for the tests (--gpus gloo ranks)")
     p.add_argument("--out", help="JSON file")
     p.add_argument("--timeout", type=positive_number, default=600, help="seconds per run (default 600)")

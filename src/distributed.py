@@ -10,6 +10,7 @@ import datetime
 import os
 import random
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,9 @@ def destroy_process_group() -> None:
     the group is released. A gloo thread that frees a finished collective after Python began to shut down
     aborts the process ("terminate called without an active exception"): the collective holds Python objects."""
     if dist.is_initialized():
+        if "torch._inductor.cudagraph_trees" in sys.modules and torch.cuda.is_initialized():
+            # CUDA graphs that hold collectives (fsdp's in-graph route) hang the group's destruction (torch#115388)
+            sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
         dist.destroy_process_group()
 
 

@@ -151,7 +151,9 @@ class StepLog:
         self.time = time.perf_counter()
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
+        """The first step and every `every`-th: the curves start where training does, and the first log's one-time
+        costs (CUDA loading the norm's kernels: ~0.2 s) fall in the first epoch, not a timed one."""
+        return bool(self.every) and (step == 1 or step % self.every == 0)
 
     def _since(self) -> torch.Tensor:
         """Loss sum and samples of this rank since the last log, in the current meter."""

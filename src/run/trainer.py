@@ -82,10 +82,6 @@ def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
         finally:
             run.close()
             del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
-            if cfg.trainer.compile and cfg.trainer.compile_mode == "reduce-overhead" and torch.cuda.is_available():
-                from torch._inductor import cudagraph_trees  # graphs that hold collectives (fsdp's in-graph route)
-
-                cudagraph_trees.reset_cudagraph_trees()  # hang the group's destruction (torch#115388)
             destroy_process_group()
             if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
                 torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly

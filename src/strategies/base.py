@@ -47,8 +47,16 @@ class Context:
     def cuda_graphs(self) -> bool:
         return self.compile and self.compile_mode == "reduce-overhead"
 
-    def compiled(self, module: nn.Module) -> nn.Module:
-        return torch.compile(module, mode=self.compile_mode) if self.compile else module
+    def compiled(self, module: nn.Module, **inductor) -> nn.Module:
+        """torch.compile in trainer.compile_mode; `inductor`: config on top of the mode's (compile takes one or
+        the other, so the mode's own options are spelled out)."""
+        if not self.compile:
+            return module
+        if not inductor:
+            return torch.compile(module, mode=self.compile_mode)
+        from torch._inductor import list_mode_options
+
+        return torch.compile(module, options={**list_mode_options(self.compile_mode), **inductor})
 
 
 @dataclass

@@ -17,7 +17,7 @@ from src.config.schema import Positive
 from src.state import checkpoint as ckpt
 from src.strategies.base import Context, _broadcast_from_rank0, _dcp, _Distributed
 from src.strategies.blocks import _replace, inside, shard_targets
-from src.strategies.graph_shards import dtensor_views, shard_rows, sharded_grad_norm, unshardable
+from src.strategies.graph_shards import BUCKETED, dtensor_views, shard_rows, sharded_grad_norm, unshardable
 from src.strategies.local_shards import step_on_local_shards
 
 
@@ -36,6 +36,7 @@ class FSDP(_Distributed):
     cpu_offload: bool = False  # sharded parameters, gradients and optimizer step on the CPU
     checkpoint_format: Literal["sharded", "full"] = "sharded"
     collectives: Literal["auto", "hooks", "graph"] = "auto"  # FSDP2's hooks around units, or ops in the graph
+    bucket_collectives: bool = True  # graph: inductor merges the step's all-gathers and its reduce-scatters
 
     _blocks_in_root: ClassVar[bool] = False  # set by wrap
     _shards: ClassVar[list] = []  # set by wrap on the in-graph route: the sharded parameters
@@ -193,7 +194,7 @@ class FSDP(_Distributed):
         self._shards = shard_rows(model, param or torch.float32, reduce)
         self.fused_optimizer = True  # the parameters are plain tensors: torch's fused kernels take them
         self.core = self.eager = model
-        self.model = ctx.compiled(model)
+        self.model = ctx.compiled(model, **(BUCKETED if self.bucket_collectives else {}))
         return self.model
 
     def prepare_optimizer(self, optimizer, fused):

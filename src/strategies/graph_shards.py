@@ -71,6 +71,10 @@ def unshardable(model: nn.Module) -> str | None:
     return None
 
 
+# inductor's passes that merge the step's collectives: one all-gather, a few reduce-scatters (fewer NCCL launches)
+BUCKETED = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+
+
 def shard_rows(model: nn.Module, dtype: torch.dtype, reduce_dtype: torch.dtype, group=None) -> list[RowShard]:
     """Keep this rank's rows of each of `model`'s parameters (none `unshardable`); reading `module.<name>` gathers
     the whole (in `dtype`). Every rank must hold the same weights when called (each keeps its own rows of them)."""

@@ -440,11 +440,9 @@ def test_every_n_steps_logs_the_same_figures_whatever_the_strategy(tmp_path):
         steps = single[3 * epoch : 3 * epoch + 3]
         assert row["train_loss"] == pytest.approx(statistics.mean(r["loss"] for r in steps))
     every2 = runs["every2"][0]
-    assert [r["step"] for r in every2] == [2, 4, 6]
-    for row in every2:  # the loss of the steps since the last log, not of the logging step alone
-        assert row["loss"] == pytest.approx(
-            statistics.mean(r["loss"] for r in single[int(row["step"]) - 2 : int(row["step"])])
-        )
+    assert [r["step"] for r in every2] == [1, 2, 4, 6]  # the first step, then every 2nd
+    for last, row in zip([0, *(r["step"] for r in every2)], every2):  # the loss of the steps since the last log
+        assert row["loss"] == pytest.approx(statistics.mean(r["loss"] for r in single[int(last) : int(row["step"])]))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "single")).Reload()
