@@ -43,8 +43,8 @@ class Logger:
         """Scalars under flat tags (`train/loss`, `val/top1`, `train/epoch_sec`, ...) at `step` (the epoch)."""
 
     def log_steps(self, metrics: dict, step: int) -> None:
-        """Every trainer.log_every_n_steps optimizer steps: `train_steps/loss`, `train_steps/lr`, ... at `step`
-        (the global optimizer step, an axis of its own)."""
+        """At step 1, then every trainer.log_every_n_steps optimizer steps: `train_steps/loss`, `train_steps/lr`,
+        ... at `step` (the global optimizer step, an axis of its own)."""
 
     def log_hparams(self, hparams: dict, final: dict) -> None:
         """Once, at the end: hyper-parameters (str/number/bool values) and final metrics (may hold None/NaN)."""

@@ -290,7 +290,8 @@ class Reporter:
         self.loggers.log_metrics(scalars, step=row["epoch"])
 
     def step(self, row: dict, global_step: int) -> None:
-        """Every trainer.log_every_n_steps optimizer steps: loss, lr, grad norm, images/s as `train_steps/<name>`."""
+        """At step 1, then every trainer.log_every_n_steps optimizer steps: loss, lr, grad norm, images/s as
+        `train_steps/<name>`."""
         self.loggers.log_steps({f"train_steps/{k}": v for k, v in row.items()}, global_step)
 
     def final(self, final: dict, status: str, history: list[dict], stop_reason: str | None = None) -> None:
