@@ -36,7 +36,8 @@ CEILINGS = [
     ("bf16-cl-compile", True, True, "default"),
     ("bf16-cl-cudagraphs", True, True, "reduce-overhead"),
 ]
-# compile mode of the loops: CUDA graphs where the strategy allows them (not DataParallel's threads, not FSDP)
+# compile mode of the loops: CUDA graphs for single and ddp; not DataParallel's threads; fsdp as its reports of larger
+# models ran (under CUDA graphs: --override trainer.compile_mode=reduce-overhead, `make bench-fsdp-small`)
 LOOP_COMPILE_MODE = {"single": "reduce-overhead", "ddp": "reduce-overhead", "dp": "default", "fsdp": "default"}
 # every multi-GPU strategy at 2, 4 and 8 GPUs, up to --gpus
 LOOP_STRATEGIES = [("single", 1)] + [(s, g) for g in (2, 4, 8) for s in ("dp", "ddp", "fsdp")]
