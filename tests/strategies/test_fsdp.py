@@ -287,6 +287,28 @@ def test_auto_takes_the_in_graph_route_only_under_cuda_graphs_for_a_model_it_can
     assert not FSDP(cpu_offload=True).gathers_in_graph(TinyCNN(10), per_block=False, cuda_graphs=True)
 
 
+@pytest.mark.parametrize("bucket", [True, False])
+def test_the_in_graph_route_merges_its_collectives(one_rank_group, bucket):
+    """strategy.bucket_collectives: inductor's compiled step holds one all-gather and one reduce-scatter for all of
+    TinyCNN's parameters, not one of each per parameter (the NCCL launches each CUDA graph replays)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = TinyCNN(10)
+    params = len(list(model.parameters()))
+    compiled = FSDP(collectives="graph", bucket_collectives=bucket).wrap(
+        model, Context(torch.device("cpu"), False, torch.bfloat16, compile=True)
+    )
+    _, code = run_and_get_code(lambda: compiled(torch.randn(4, 3, 32, 32)).sum().backward())
+    code = "\n".join(code)
+    gathers = len(re.findall(r"_c10d_functional\.all_gather_into_tensor(?:_out)?\.default\(", code))
+    scatters = len(re.findall(r"_c10d_functional\.reduce_scatter_tensor\.default\(", code))
+    assert (gathers, scatters) == ((1, 1) if bucket else (params, params)), (gathers, scatters, params)
+    torch._dynamo.reset()
+
+
 # --- layout: compile per block before sharding, prefetch ---------------------------------------------
 
 
