@@ -216,8 +216,7 @@ class FSDP(_Distributed):
         if not self._shards:
             return super().clip_gradients(max_norm)
         total = sharded_grad_norm(self._shards)
-        params = [s.module._parameters[s.name] for s in self._shards]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_([s.param for s in self._shards], max_norm, total)
         return total
 
     def replicated_parameters(self):

@@ -56,6 +56,15 @@ class RowShard:
     shape: torch.Size
     chunk: int  # rows per rank (torch.chunk's size; the last ranks may hold fewer)
 
+    @property
+    def param(self) -> nn.Parameter:
+        """What the module holds now: this rank's rows (or, inside `dtensor_views`, their DTensor view)."""
+        return self.module._parameters[self.name]
+
+    @param.setter
+    def param(self, value: nn.Parameter) -> None:
+        self.module._parameters[self.name] = value
+
 
 def unshardable(model: nn.Module) -> str | None:
     """Why `model`'s parameters cannot each be kept by rows (a scalar, or one shared by two modules), or None."""
@@ -109,7 +118,7 @@ def _gathering_class(cls: type, names: tuple[str, ...]) -> type:
 
 def sharded_grad_norm(shards: list[RowShard]) -> torch.Tensor:
     """The global norm of the sharded parameters' gradients (each rank holds disjoint rows: squares summed)."""
-    params = [s.module._parameters[s.name] for s in shards]
+    params = [s.param for s in shards]
     grads = [p.grad for p in params if p.grad is not None]
     square = torch.nn.utils.get_total_norm(grads).square() if grads else params[0].new_zeros((), dtype=torch.float32)
     dist.all_reduce(square)
@@ -124,10 +133,10 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    if not shards or _is_dtensor(shards[0].module._parameters[shards[0].name]):  # nested: the outer view serves
+    if not shards or _is_dtensor(shards[0].param):  # nested: the outer view serves
         yield
         return
-    plains = [s.module._parameters[s.name] for s in shards]
+    plains = [s.param for s in shards]
     shard_of = dict(zip(plains, shards))
     mesh = DeviceMesh.from_group(dist.group.WORLD, plains[0].device.type)
 
@@ -144,7 +153,7 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
     plain_of = {v: p for p, v in views.items()}
     gathering = {}  # module -> its gathering class, while the helpers read `module.<name>` as the parameter
     for s, plain in zip(shards, plains):
-        s.module._parameters[s.name] = views[plain]
+        s.param = views[plain]
         if s.module not in gathering:
             gathering[s.module] = type(s.module)
             s.module.__class__ = type(s.module).__bases__[0]
@@ -161,10 +170,9 @@ def dtensor_views(shards: list[RowShard], optimizer: torch.optim.Optimizer | Non
     finally:
         with torch.no_grad():
             for s, plain in zip(shards, plains):
-                current = s.module._parameters[s.name]
-                if current is not views[plain]:  # a helper assigned a new parameter: keep its values, not it
-                    plain.copy_(current.to_local())
-                s.module._parameters[s.name] = plain
+                if s.param is not views[plain]:  # a helper assigned a new parameter: keep its values, not it
+                    plain.copy_(s.param.to_local())
+                s.param = plain
             for module, cls in gathering.items():
                 module.__class__ = cls
         if optimizer is not None:

@@ -180,15 +180,21 @@ def test_bf16_parameters_and_reduction_train_close_and_keep_fp32_weights(single_
     assert_same(weights, last_weights(single_nobn), rtol=0.05, atol=0.02)  # 4 steps of bf16 rounding
 
 
-def test_reshard_to_a_smaller_group_on_four_ranks_matches_single(single_nobn, tmp_path):
-    """reshard_after_forward=2 of 4 ranks (torchrun: 4 processes on this 2-core machine)."""
+@pytest.mark.parametrize(
+    "option",
+    ["strategy.reshard_after_forward=2", "strategy.collectives=graph"],
+    ids=["reshard-to-groups-of-2", "in-graph-uneven-rows"],
+)
+def test_four_ranks_match_single(single_nobn, tmp_path, option):
+    """torchrun: 4 processes on this 2-core machine. reshard_after_forward=2 regathers from groups of 2 ranks; the
+    in-graph route keeps torch.chunk's rows of 4 ranks, the head's 10 rows as 3, 3, 3 and 1."""
     proc = run_cli(
         str(ROOT / "train.py"),
         "debug=fast",
         "model.batch_norm=false",
         *STEPS,
         "strategy=fsdp",
-        "strategy.reshard_after_forward=2",
+        option,
         f"hydra.run.dir={tmp_path}/fsdp4",
         command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"],
     )
@@ -219,23 +225,6 @@ def test_the_in_graph_route_trains_evaluates_and_saves_as_fsdp2(reference, cfg_f
     full = "strategy.checkpoint_format=full" in options
     assert (tmp_path / "run/checkpoints/last.pt").is_file() == full
     assert (tmp_path / "run/checkpoints/last").is_dir() != full
-
-
-def test_the_in_graph_route_on_four_ranks_with_uneven_rows_matches_single(single_nobn, tmp_path):
-    """torch.chunk's rows of 4 ranks: the head's 10 rows are 3, 3, 3 and 1 (torchrun: 4 processes)."""
-    proc = run_cli(
-        str(ROOT / "train.py"),
-        "debug=fast",
-        "model.batch_norm=false",
-        *STEPS,
-        "strategy=fsdp",
-        "strategy.collectives=graph",
-        f"hydra.run.dir={tmp_path}/graph4",
-        command=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_metrics(tmp_path / "graph4")["hparams"]["world_size"] == 4
-    assert_same(last_weights(tmp_path / "graph4"), last_weights(single_nobn), rtol=1e-4, atol=1e-6)
 
 
 def test_the_in_graph_route_clips_by_the_global_norm_averages_and_resumes_from_fsdp2(cfg_factory, tmp_path):
