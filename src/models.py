@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from src.config.errors import ConfigError
-from src.config.schema import Positive, PositiveReal, declared
+from src.config.schema import Fraction, Positive, PositiveReal, declared
 from src.state.checkpoint import check_compatible, safe_torch_load
 
 log = logging.getLogger("ddplab")
@@ -73,6 +73,82 @@ class ResNet9(nn.Module):
         x = self.layer3(self.layer2(x))
         x = x + self.res3(x)
         return self.head(x.amax(dim=(2, 3))) * self.logit_scale
+
+
+class AirbenchNet(nn.Module):
+    """The network of airbench96 (Keller Jordan's CIFAR-10 speed runs), written for ddplab: a frozen 2x2
+    patch-whitening convolution fitted to the training images (`fit_to_images`), three stages of three 3x3
+    convolutions (pool after the first; a residual around the last two) with GELU and BatchNorm whose scale is
+    not learned, identity-initialised convolutions, and a max-pooled linear head with scaled-down logits."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int = 3,
+        widths: list[Annotated[int, Positive]] = (128, 512, 512),
+        bn_momentum: Annotated[float, Fraction] = 0.4,
+        logit_scale: Annotated[float, PositiveReal] = 1 / 9,
+        whiten_eps: Annotated[float, PositiveReal] = 5e-4,
+    ):
+        super().__init__()
+        patch = 2 * 2 * in_channels
+        self.whiten_eps, self.logit_scale = whiten_eps, logit_scale
+        # +/- each whitened direction, so the GELU after it keeps both signs
+        self.register_buffer("whiten", torch.zeros(2 * patch, in_channels, 2, 2))
+        self.whiten_bias = nn.Parameter(torch.zeros(2 * patch))
+        stages, cin = [], 2 * patch
+        for width in widths:
+            stages.append(_AirbenchStage(cin, width, bn_momentum))
+            cin = width
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(cin, num_classes, bias=False)
+
+    @torch.no_grad()
+    def fit_to_images(self, images: torch.Tensor) -> None:
+        """Set the whitening filters from normalized N x C x H x W training images: the eigenvectors of the
+        2x2 patches' covariance, each scaled by 1 / sqrt(eigenvalue + eps). In float64 on the CPU, so every
+        rank computes the same filters."""
+        c = images.shape[1]
+        covariance, count = torch.zeros(4 * c, 4 * c, dtype=torch.float64), 0
+        for chunk in images.split(500):
+            patches = chunk.double().cpu().unfold(2, 2, 1).unfold(3, 2, 1)  # N x C x H' x W' x 2 x 2
+            rows = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 4 * c)
+            covariance += rows.T @ rows
+            count += len(rows)
+        values, vectors = torch.linalg.eigh(covariance / count)
+        filters = (vectors.T / (values[:, None] + self.whiten_eps).sqrt()).reshape(4 * c, c, 2, 2)
+        self.whiten.copy_(torch.cat([filters, -filters]).to(self.whiten))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.gelu(nn.functional.conv2d(x, self.whiten.to(x.dtype), self.whiten_bias.to(x.dtype)))
+        x = self.stages(x)
+        return self.head(nn.functional.max_pool2d(x, 3).flatten(1)) * self.logit_scale
+
+
+class _AirbenchStage(nn.Module):
+    def __init__(self, cin: int, cout: int, bn_momentum: float):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = _dirac_conv(cin, cout), _dirac_conv(cout, cout), _dirac_conv(cout, cout)
+        self.norm1, self.norm2, self.norm3 = (_shift_only_norm(cout, bn_momentum) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gelu = nn.functional.gelu
+        x = gelu(self.norm1(nn.functional.max_pool2d(self.conv1(x), 2)))
+        return x + gelu(self.norm3(self.conv3(gelu(self.norm2(self.conv2(x))))))
+
+
+def _dirac_conv(cin: int, cout: int) -> nn.Conv2d:
+    """3x3 'same' convolution whose first min(cin, cout) filters start as the identity (the rest as torch's)."""
+    conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+    nn.init.dirac_(conv.weight[: min(cin, cout)])
+    return conv
+
+
+def _shift_only_norm(channels: int, momentum: float) -> nn.BatchNorm2d:
+    """BatchNorm whose scale stays 1: only its shift is learned."""
+    norm = nn.BatchNorm2d(channels, eps=1e-12, momentum=momentum)
+    norm.weight.requires_grad_(False)
+    return norm
 
 
 def torchvision_classifier(name: str, num_classes: int, in_channels: int = 3, pretrained: bool = False) -> nn.Module:

@@ -46,6 +46,7 @@ class AugmentOptions:
 
     augment: Literal["none", "crop_flip", "random_resized_crop", "auto"]
     cutout: Annotated[int, NonNegative]  # the side of a zeroed square per training image (crop_flip); 0: off
+    flip: Literal["random", "alternate"]  # crop_flip's mirror: per image and epoch, or every other epoch
     pad_mode: Literal["zeros", "reflect"]  # the crop's padding
     auto_augment: Literal["none", "trivial"]  # trivial: TrivialAugmentWide per image in the CPU workers
     random_erasing: Annotated[float, Probability]
@@ -61,11 +62,13 @@ class AugmentOptions:
         return self.auto_augment == "trivial"
 
 
-def check_cutout(cutout: int, augment: str) -> None:
-    """Cutout zeroes part of crop_flip's crops: refused with any other augmentation (auto is checked again once the
-    images tell what it becomes)."""
+def check_cutout(cutout: int, augment: str, flip: str = "random") -> None:
+    """Cutout and alternating flips change crop_flip's crops: refused with any other augmentation (auto is checked
+    again once the images tell what it becomes)."""
     if cutout and augment not in ("crop_flip", "auto"):
         raise ConfigError(f"data.cutout={cutout} needs data.augment=crop_flip, got {augment!r}; set data.cutout=0")
+    if flip != "random" and augment not in ("crop_flip", "auto"):
+        raise ConfigError(f"data.flip={flip} needs data.augment=crop_flip, got {augment!r}; set data.flip=random")
 
 
 @dataclass(frozen=True)
@@ -108,13 +111,22 @@ def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
 
 
 def draw_params(
-    n: int, seed: int, epoch: int, pad: int = CROP_PAD, cutout_within: tuple[int, int] | None = None
+    n: int,
+    seed: int,
+    epoch: int,
+    pad: int = CROP_PAD,
+    cutout_within: tuple[int, int] | None = None,
+    alternate_flips: bool = False,
 ) -> torch.Tensor:
     """int64 N x 3: crop offset y, crop offset x, flip (0/1) for every sample of the epoch;
-    N x 5 with `cutout_within=(H, W)`: then also the cutout centre y, x (own stream: crop/flip unchanged)."""
+    N x 5 with `cutout_within=(H, W)`: then also the cutout centre y, x (own stream: crop/flip unchanged).
+    alternate_flips: each sample's flip is drawn once per run and inverted in odd epochs (every image is seen
+    mirrored every other epoch), in place of a fresh draw per epoch."""
     g = epoch_generator(seed, epoch, stream=1)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n, 1), generator=g)
+    if alternate_flips:
+        flips = torch.randint(0, 2, (n, 1), generator=epoch_generator(seed, 0, stream=4)) ^ (epoch % 2)
     parts = [offsets, flips]
     if cutout_within:
         g = epoch_generator(seed, epoch, stream=2)
@@ -543,8 +555,9 @@ class Augmentation:
         cutout: int = 0,
         pad_mode: str = "zeros",
         recipe: Recipe = Recipe(),
+        flip: str = "random",
     ):
-        self.recipe, self.device = recipe, device
+        self.recipe, self.device, self.flip = recipe, device, flip
         self.mean = torch.tensor(data.mean, device=device)
         self.std = torch.tensor(data.std, device=device)
         self.table = normalize_table(data.mean, data.std).to(device)
@@ -555,11 +568,12 @@ class Augmentation:
 
     def for_workers(self, data) -> Augmentation:
         """The same augmentation on the CPU of a loader's workers, in plain layout."""
-        return Augmentation(data, False, torch.device("cpu"), self.cutout, self.pad_mode, self.recipe)
+        return Augmentation(data, False, torch.device("cpu"), self.cutout, self.pad_mode, self.recipe, self.flip)
 
     def draw(self, n: int, seed: int, epoch: int) -> torch.Tensor:
         """The random choices of one epoch for samples 0..n-1 (indexed by sample id)."""
-        return draw_params(n, seed, epoch, cutout_within=self.image_size if self.cutout else None)
+        cutout_within = self.image_size if self.cutout else None
+        return draw_params(n, seed, epoch, cutout_within=cutout_within, alternate_flips=self.flip == "alternate")
 
     def augment(self, images: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         """uint8 -> uint8: the padded crop and flip."""

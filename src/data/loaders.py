@@ -276,7 +276,8 @@ def build_loader(
     )
     if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
         device = torch.device("cuda", torch.cuda.current_device())
-    augmentation = Augmentation(data, channels_last, device, augment.cutout, augment.pad_mode, Recipe.of(augment))
+    recipe = Recipe.of(augment)
+    augmentation = Augmentation(data, channels_last, device, augment.cutout, augment.pad_mode, recipe, augment.flip)
     if plan.resident:
         return ResidentLoader(data, augmentation, seed, compile)
     crops = None

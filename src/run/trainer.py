@@ -52,6 +52,7 @@ class WorkerDied(RuntimeError):
     """A DataLoader worker process died (killed by a signal, often the host's out-of-memory killer)."""
 
 
+FIT_IMAGES = 5000  # training images a model fits a layer to (model.fit_to_images)
 STOPPED = {Diverged: "diverged", OutOfMemory: "out_of_memory", WorkerDied: "data_worker_died"}  # metrics' status
 
 
@@ -160,6 +161,8 @@ class Trainer:
         # the classifier head: re-initialized by init_from for another class count, outside pretrained_lr_scale
         started = t.init_from or cfg.optim.get("pretrained_lr_scale", 1.0) != 1
         self.head = head_names(cfg.model, model, classes, channels) if cfg.train and started else set()
+        if cfg.train and hasattr(model, "fit_to_images") and not cfg.model.get("weights"):
+            self.fit_to_data(model)
         model = model.to(self.device)
         self.flops_per_image = self._count_flops(model)
         if t.channels_last and self.strategy.channels_last_weights:  # else only the inputs are channels_last
@@ -170,8 +173,6 @@ class Trainer:
             model,
             Context(self.device, t.amp, self.amp_dtype, self.layout.devices_per_process, t.compile, t.compile_mode),
         )
-        if cfg.train and t.ema.decay is not None:  # after wrap: under fsdp the average holds local shards
-            self.strategy.ema = EMA(self.strategy.core, t.ema.decay, t.ema.every_n_steps)
         self.loss_terms = build_loss_terms(t.compile, t.compile_mode)
         # every strategy and accumulation gets the gradient of the mean loss over the global batch
         self.rank_factor = self.layout.world_size if self.strategy.averages_gradients else 1
@@ -191,6 +192,9 @@ class Trainer:
         self.scheduler = instantiate(cfg.scheduler)(
             self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
         )
+        if cfg.train and t.ema.decay is not None:  # after wrap: under fsdp the average holds local shards
+            e, total = t.ema, self.steps_per_epoch * t.max_epochs
+            self.strategy.ema = EMA(self.strategy.core, e.decay, e.every_n_steps, e.ramp_power, total, e.copy_back)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
         io = {"num_classes": self.data.num_classes, "input_shape": [self.data.channels, *self.data.image_size]}
         self.checkpoints = Checkpoints(
@@ -199,6 +203,16 @@ class Trainer:
         self.progress = Progress()
         if self.primary:
             self.reporter = Reporter(cfg, self.run_dir, self.layout, self.strategy, self.loader, self.device)
+
+    def fit_to_data(self, model: torch.nn.Module) -> None:
+        """A layer fitted to the training images (airbench96's whitening), before any strategy copies the model:
+        every rank fits it to the same images, so starts from the same weights. A resume or init_from loads over it."""
+        if not self.data.in_memory:
+            raise ConfigError(
+                f"model._target_={self.cfg.model._target_} fits its first layer to training images held in memory, "
+                f"but data={self.cfg.data.name} is read from disk here; raise data.max_memory_gb or pick another model"
+            )
+        model.fit_to_images(self.data.train_sample(FIT_IMAGES))
 
     def start_from(self, path: str) -> None:
         """trainer.init_from: a new run (epoch 0, this run's optimizer and schedule) from another run's weights,
@@ -510,11 +524,14 @@ class Trainer:
                 self.steps_per_epoch,
             )
             if self.strategy.ema:
+                e = self.t.ema
                 log.info(
                     "trainer.ema: val/test figures, best.pt and the final figures are of the weights' moving "
-                    "average (decay %g every %d steps)",
-                    self.t.ema.decay,
-                    self.t.ema.every_n_steps,
+                    "average (decay %g%s every %d steps%s)",
+                    e.decay,
+                    f" x (step / total)^{e.ramp_power:g}" if e.ramp_power else "",
+                    e.every_n_steps,
+                    "; a lookahead: the model continues from it" if e.copy_back else "",
                 )
         if self.cfg.train:
             path = self.checkpoints.resume_path()

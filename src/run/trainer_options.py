@@ -19,6 +19,8 @@ class Ema:
 
     decay: Annotated[float, Fraction] | None  # per update; null: off
     every_n_steps: Annotated[int, Positive]
+    ramp_power: Annotated[float, NonNegative]  # the decay x (step / total steps) ** this: young runs average less
+    copy_back: bool  # lookahead: after each update the model itself continues from the average
 
 
 @dataclass

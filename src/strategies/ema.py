@@ -25,10 +25,21 @@ def lerp_update(average: list[torch.Tensor], model: list[torch.Tensor], decay: f
 
 
 class EMA:
-    """The average of `module`'s weights, updated every `every_n_steps` optimizer steps with `decay` per update."""
+    """The average of `module`'s weights, updated every `every_n_steps` optimizer steps with `decay` per update,
+    times (step / total_steps) ** ramp_power. With `copy_back` it is a lookahead: the model continues from the
+    average after each update (airbench's recipe)."""
 
-    def __init__(self, module: nn.Module, decay: float, every_n_steps: int = 1):
+    def __init__(
+        self,
+        module: nn.Module,
+        decay: float,
+        every_n_steps: int = 1,
+        ramp_power: float = 0.0,
+        total_steps: int = 1,
+        copy_back: bool = False,
+    ):
         self.module, self.decay, self.every_n_steps = module, decay, every_n_steps
+        self.ramp_power, self.total_steps, self.copy_back = ramp_power, total_steps, copy_back
         averaged, copied = self.live()
         self.average = [t.detach().clone() for t in averaged]
         self.copies = [t.detach().clone() for t in copied]
@@ -52,7 +63,10 @@ class EMA:
         if step % self.every_n_steps:
             return
         averaged, copied = self.live()
-        lerp_update(self.average, averaged, self.decay)
+        decay = self.decay * (min(step, self.total_steps) / self.total_steps) ** self.ramp_power
+        lerp_update(self.average, averaged, decay)
+        if self.copy_back:
+            torch._foreach_copy_(averaged, self.average)
         if copied:
             torch._foreach_copy_(self.copies, copied)
 
