@@ -32,6 +32,23 @@ def run_stamp() -> str:
     return _now_stamp()
 
 
+NAME_BYTES = 200  # a folder name's budget: filesystems refuse names over 255 bytes
+
+
+def job_subdir(name: str) -> str:
+    """hydra.sweep.subdir: a sweep point's overrides as Hydra joins them, with each folder name over NAME_BYTES cut
+    there and ended by a hash of the whole, so a point with many overrides still gets a folder of its own."""
+    import hashlib
+
+    parts = []
+    for part in name.split("/"):
+        raw = part.encode()
+        if len(raw) > NAME_BYTES:
+            part = raw[: NAME_BYTES - 13].decode(errors="ignore") + "-" + hashlib.sha256(raw).hexdigest()[:12]
+        parts.append(part)
+    return "/".join(parts)
+
+
 def rank_log_suffix() -> str:
     from src.distributed import env_rank
 
@@ -81,6 +98,7 @@ def register_resolvers() -> None:
     for name, fn in (
         ("run_stamp", run_stamp),
         ("rank_log_suffix", rank_log_suffix),
+        ("job_subdir", job_subdir),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)

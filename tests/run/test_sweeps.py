@@ -145,6 +145,20 @@ def test_a_sweep_with_some_refused_points_runs_the_others(tmp_path):
     assert (tmp_path / "s/debug=fast,trainer.max_epochs=1/metrics.json").exists()
 
 
+def test_points_with_more_overrides_than_a_folder_name_holds_each_run_in_a_folder_of_their_own(tmp_path):
+    many = [f"optim.{k}={v}" for k, v in (("momentum", 0.85), ("weight_decay", 0.0017), ("norm_lr_scale", 64))]
+    many += [f"trainer.{k}=1" for k in ("max_epochs", "limit_eval_batches", "tta_shift")]
+    many += ["trainer.label_smoothing=0.1", "trainer.flip_tta=true", "data.val_fraction=0.2", "model.width=8"]
+    proc = run_cli("-m", "debug=fast", "seed=1,2", *many, f"hydra.sweep.dir={tmp_path}/s", cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # was: File name too long
+    points = sorted(p.parent for p in (tmp_path / "s").glob("*/metrics.json"))
+    assert len(points) == 2 and all(len(p.name.encode()) <= 200 for p in points)
+    seeds = {json.loads((p / "metrics.json").read_text())["config"]["seed"] for p in points}
+    assert seeds == {1, 2}
+    report = subprocess.run([sys.executable, "-m", "src.reporting.report", str(tmp_path / "s")], cwd=ROOT)
+    assert report.returncode == 0
+
+
 def test_a_failed_sweep_into_an_existing_folder_deletes_nothing_of_it(tmp_path):
     logs = tmp_path / "my logs"
     (logs / "old").mkdir(parents=True)
