@@ -77,8 +77,15 @@ bench-decode-cpus: install  ## the default data.decode beside CPU, GPU and DALI 
 		--only 'resnet50-single1-*' --out outputs/bench/decode-cpus$$n.json $(ARGS) || exit 1; done
 
 DATA ?= data/cifar10-jpeg
-bench-airbench: install  ## airbench96 on the CIFAR-10 JPEGs, seeds 2, 4, 42 (GPU; pip install airbench==0.1.8): DATA=<folder>
-	$(PY) bench/airbench_anchor.py --data $(DATA) --out outputs/bench/airbench96.json $(ARGS)
+AIRBENCH_GPUS ?= 2
+PRESET = experiment=cifar10_airbench data.root=$(abspath $(DATA)) trainer.test_every_epoch=false
+bench-airbench: install  ## airbench96 (40, 60 epochs), then experiment=cifar10_airbench on one GPU and ddp x AIRBENCH_GPUS, seeds 2, 4, 42, on the CIFAR-10 JPEGs (GPU; pip install airbench==0.1.8): DATA=<folder>
+	$(PY) bench/airbench_anchor.py --data $(DATA) --epochs 40,60 --out outputs/bench/airbench96.json $(ARGS)
+	for run in "single 1" "ddp $(AIRBENCH_GPUS)"; do set -- $$run; d=outputs/bench/cifar10_airbench/$$1; \
+		$(PY) train.py $(PRESET) strategy=$$1 trainer.devices=$$2 trainer.max_epochs=1 hydra.run.dir=$$d-warmup && \
+		$(PY) train.py -m $(PRESET) strategy=$$1 trainer.devices=$$2 seed=2,4,42 hydra.sweep.dir=$$d 'hydra.sweep.subdir=seed$${seed}' || exit 1; done
+	$(PY) -m src.reporting.report outputs/bench/cifar10_airbench/single outputs/bench/cifar10_airbench/ddp \
+		--out outputs/bench/cifar10_airbench
 
 bench-fsdp-graph: install  ## fsdp's whole step as one CUDA graph (ResNet-18, 512 per GPU) beside one GPU (GPU): FSDP_GPUS=2
 	$(PY) bench/fsdp_step_graph.py --gpus $(or $(FSDP_GPUS),2) --out outputs/bench/fsdp-step-graph.json $(ARGS)

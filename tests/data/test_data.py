@@ -130,6 +130,7 @@ RECIPES = {
 }
 for option in BEFORE.values():
     option.update(RECIPES)
+    option["flip"] = "random"  # added with airbench96's rules (issue 34 item 4): a fresh flip per epoch, as before
 JPEG = {"root": "${paths.data_dir}/cifar10-jpeg", "batch_size": 512}
 BEFORE_EXPERIMENTS = {
     "cifar10_94": {**BEFORE["imagefolder"], **JPEG, "val_fraction": 0.0, "cutout": 8, "loader": "resident"},
