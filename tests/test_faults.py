@@ -245,6 +245,16 @@ BAD_VALUES = [
     ("scheduler=onecycle scheduler.pct_start=0", "scheduler.pct_start must be a number > 0 and < 1, got 0"),
     ("scheduler.warmup_epochs=abc", "scheduler.warmup_epochs must be a number >= 0, got 'abc'"),
     ("+scheduler.gamma=0.1", "scheduler.gamma is not an option of scheduler"),
+    # airbench96's rules (experiment=cifar10_airbench)
+    ("optim.norm_lr_scale=0", "optim.norm_lr_scale must be a number > 0, got 0"),
+    ("scheduler=onecycle scheduler.end_ratio=1.5", "scheduler.end_ratio must be a number >= 0 and <= 1, got 1.5"),
+    ("data.flip=sideways", "data.flip must be one of random, alternate, got 'sideways'"),
+    ("model=airbench96 model.widths=[64,0,64]", "model.widths must be a list of a positive integer, got [64, 0, 64]"),
+    ("trainer.ema.ramp_power=-1", "trainer.ema.ramp_power must be a number >= 0, got -1"),
+    (
+        "trainer.ema.copy_back=true",
+        "trainer.ema.copy_back=true need a moving average, but trainer.ema.decay=null keeps none",
+    ),
     # model, strategy, data, loggers, the top level
     ("model.width=2.5", "model.width must be a positive integer, got 2.5"),
     ("model.batch_norm=maybe", "model.batch_norm must be true or false, got 'maybe'"),

@@ -72,6 +72,13 @@ def check_types(cfg: DictConfig) -> None:
         f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} micro-batches (torch sums them wrongly); "
         f"use trainer.compile_mode=default or accumulate_grad_batches=1",
     )
+    e = t.ema
+    shaping = [f"trainer.ema.{k}={str(e[k]).lower()}" for k in ("ramp_power", "copy_back") if e.get(k)]
+    _expect(
+        e.decay is not None or not shaping,
+        f"{' and '.join(shaping)} need a moving average, but trainer.ema.decay=null keeps none; "
+        f"set trainer.ema.decay (e.g. 0.7738 with every_n_steps=5: airbench's lookahead)",
+    )
 
 
 def _check_each_option(cfg: DictConfig) -> None:
