@@ -38,6 +38,7 @@ METRICS = (
     "images_per_sec",
 )  # val: what a search picks by
 OPTIONAL_METRICS = (
+    "train_sec",
     "peak_mem_gb",
     "peak_host_mem_gb",
     "tflops_per_gpu",
@@ -50,6 +51,7 @@ FORMATS = {
     "test_top5": ".2f",
     "sec_per_epoch": ".3f",
     "images_per_sec": ".1f",
+    "train_sec": ".2f",
     "peak_mem_gb": ".2f",
     "peak_host_mem_gb": ".2f",
     "tflops_per_gpu": ".1f",

@@ -21,12 +21,14 @@ log = logging.getLogger("ddplab")
 
 def summarize(history: list[dict]) -> dict:
     """Seconds per epoch, images/s and data-wait fractions (the host's; the GPU's on CUDA), leaving out epoch 1
-    (warm-up, compilation) when there are later epochs."""
+    (warm-up, compilation) when there are later epochs; and train_sec, every epoch's training time, epoch 1 included
+    (the time to the final weights, for time-to-accuracy)."""
     rows = history[1:] if len(history) > 1 else history
     if not rows:
         return {}
     seconds = sum(r["epoch_sec"] for r in rows)
     out = {
+        "train_sec": sum(r["epoch_sec"] for r in history),
         "sec_per_epoch": seconds / len(rows),
         "images_per_sec": sum(r["images_per_sec"] * r["epoch_sec"] for r in rows) / seconds,
         "data_wait_fraction": sum(r["data_wait_fraction"] for r in rows) / len(rows),
@@ -163,13 +165,14 @@ def log_final(final: dict, replicated: bool) -> None:
         else ""
     )
     log.info(
-        "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.2f s/epoch, "
-        "%.0f img/s, data wait %s%s",
+        "test loss %.4f | top-1 %.2f%% | top-5 %.2f%% (%d images, best epoch %d) | %.1f s of training, %.2f "
+        "s/epoch, %.0f img/s, data wait %s%s",
         final["test_loss"],
         final["test_top1"],
         final["test_top5"],
         final["test_count"],
         final["best_epoch"],
+        final.get("train_sec", math.nan),
         final.get("sec_per_epoch", math.nan),
         final.get("images_per_sec", math.nan),
         data_wait(final),

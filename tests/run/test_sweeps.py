@@ -81,7 +81,10 @@ def test_report_table_matches_the_jobs(sweep):
         finals = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text())["final"] for s in (1, 2)]
         row = rows[f"debug=fast,strategy={strategy},trainer.max_epochs=1"]
         assert int(row["n"]) == 2
-        for metric in ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec"):
+        runs = [json.loads((sweep_dir / job(s, strategy) / "metrics.json").read_text()) for s in (1, 2)]
+        for m in runs:  # the time to the final weights: every epoch's, the first included
+            assert m["final"]["train_sec"] == pytest.approx(sum(e["epoch_sec"] for e in m["epochs"]), rel=1e-12)
+        for metric in ("test_loss", "test_top1", "test_top5", "sec_per_epoch", "images_per_sec", "train_sec"):
             values = [f[metric] for f in finals]
             assert float(row[f"{metric}_mean"]) == pytest.approx(statistics.mean(values), rel=1e-9)
             assert float(row[f"{metric}_std"]) == pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-12)
