@@ -208,9 +208,11 @@ class Trainer:
         """A layer fitted to the training images (airbench96's whitening), before any strategy copies the model:
         every rank fits it to the same images, so starts from the same weights. A resume or init_from loads over it."""
         if not self.data.in_memory:
+            rrc = self.data.augment == "random_resized_crop"  # its crops are cut from the files on disk
+            fix = "set data.augment=crop_flip" if rrc else "raise data.max_memory_gb"
             raise ConfigError(
                 f"model._target_={self.cfg.model._target_} fits its first layer to training images held in memory, "
-                f"but data={self.cfg.data.name} is read from disk here; raise data.max_memory_gb or pick another model"
+                f"but data={self.cfg.data.name} is read from disk here; {fix} or pick another model"
             )
         model.fit_to_images(self.data.train_sample(FIT_IMAGES))
 
