@@ -62,7 +62,7 @@ class AugmentOptions:
         return self.auto_augment == "trivial"
 
 
-def check_cutout(cutout: int, augment: str, flip: str = "random") -> None:
+def check_crop_flip_options(cutout: int, augment: str, flip: str = "random") -> None:
     """Cutout and alternating flips change crop_flip's crops: refused with any other augmentation (auto is checked
     again once the images tell what it becomes)."""
     if cutout and augment not in ("crop_flip", "auto"):
@@ -124,9 +124,10 @@ def draw_params(
     mirrored every other epoch), in place of a fresh draw per epoch."""
     g = epoch_generator(seed, epoch, stream=1)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
-    flips = torch.randint(0, 2, (n, 1), generator=g)
     if alternate_flips:
         flips = torch.randint(0, 2, (n, 1), generator=epoch_generator(seed, 0, stream=4)) ^ (epoch % 2)
+    else:
+        flips = torch.randint(0, 2, (n, 1), generator=g)
     parts = [offsets, flips]
     if cutout_within:
         g = epoch_generator(seed, epoch, stream=2)

@@ -31,7 +31,7 @@ from src.config.commands import module_command, train_command
 from src.config.errors import ConfigError
 from src.config.renamed import RENAMED_VALUES
 from src.config.schema import Fraction, Positive, PositiveReal, Range, check_value, declared, refuse_lookalikes
-from src.data.augment import AugmentOptions, check_cutout
+from src.data.augment import AugmentOptions, check_crop_flip_options, normalize, normalize_table
 from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
 from src.data.loader_plan import LoaderOptions
 
@@ -147,7 +147,7 @@ def check_data_config(cfg: DictConfig) -> None:
         if key in cfg:
             check_value(f"data.{key}", cfg[key], hint)
     augment, loader = options_of(cfg, AugmentOptions), options_of(cfg, LoaderOptions)
-    check_cutout(augment.cutout, augment.augment, augment.flip)
+    check_crop_flip_options(augment.cutout, augment.augment, augment.flip)
     loader.check(augment.trivial)
     if (augment.mixup_alpha or augment.cutmix_alpha) and loader.skip_bad_images:
         raise ConfigError(  # a skipped image would shift the pairs of its micro-batch
@@ -188,9 +188,8 @@ class DataBundle:
         """n training images spread evenly over the split (its files may be in class order), normalized, float32
         on the CPU and not augmented: what a model fits a layer to (model.fit_to_images)."""
         images = self.train.images
-        picked = images[:: max(1, len(images) // n)][:n].float() / 255
-        mean, std = torch.tensor(self.mean).view(1, -1, 1, 1), torch.tensor(self.std).view(1, -1, 1, 1)
-        return (picked - mean) / std
+        picked = images[:: max(1, len(images) // n)][:n]
+        return normalize(picked, torch.tensor(self.mean), torch.tensor(self.std), normalize_table(self.mean, self.std))
 
 
 def user_cache() -> Path:
@@ -594,7 +593,7 @@ def load_data(cfg: DictConfig) -> DataBundle:
             f"data.augment={data.augment} needs images read from disk (data=imagefolder); "
             f"for {cfg.name} use one of {', '.join(IN_MEMORY_AUGMENTS)}"
         )
-    check_cutout(cfg.get("cutout", 0), data.augment, cfg.get("flip", "random"))  # data.augment=auto resolved
+    check_crop_flip_options(cfg.get("cutout", 0), data.augment, cfg.get("flip", "random"))  # data.augment=auto resolved
     for split in ("train", "test"):
         if not len(getattr(data, split)):
             raise ConfigError(

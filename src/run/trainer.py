@@ -189,12 +189,15 @@ class Trainer:
         self.steps_per_epoch = len(self.plan(0))
         self.step_log = StepLog(t.log_every_n_steps, self.device)
         self.signal_check_every = 1 if self.device.type == "cpu" else 50  # steps between stop-signal agreements
+        total_steps = self.steps_per_epoch * t.max_epochs
         self.scheduler = instantiate(cfg.scheduler)(
-            self.optimizer, total_steps=self.steps_per_epoch * t.max_epochs, steps_per_epoch=self.steps_per_epoch
+            self.optimizer, total_steps=total_steps, steps_per_epoch=self.steps_per_epoch
         )
         if cfg.train and t.ema.decay is not None:  # after wrap: under fsdp the average holds local shards
-            e, total = t.ema, self.steps_per_epoch * t.max_epochs
-            self.strategy.ema = EMA(self.strategy.core, e.decay, e.every_n_steps, e.ramp_power, total, e.copy_back)
+            e = t.ema
+            self.strategy.ema = EMA(
+                self.strategy.core, e.decay, e.every_n_steps, e.ramp_power, total_steps, e.copy_back
+            )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
         io = {"num_classes": self.data.num_classes, "input_shape": [self.data.channels, *self.data.image_size]}
         self.checkpoints = Checkpoints(
