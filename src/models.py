@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from src.config.errors import ConfigError
-from src.config.schema import Fraction, Positive, PositiveReal, declared
+from src.config.schema import Fraction, Positive, PositiveReal, declared, target_of
 from src.state.checkpoint import check_compatible, safe_torch_load
 
 log = logging.getLogger("ddplab")
@@ -123,6 +123,17 @@ class AirbenchNet(nn.Module):
         x = nn.functional.gelu(nn.functional.conv2d(x, self.whiten.to(x.dtype), self.whiten_bias.to(x.dtype)))
         x = self.stages(x)
         return self.head(nn.functional.max_pool2d(x, 3).flatten(1)) * self.logit_scale
+
+
+def refuse_fit_from_disk(model_cfg, data_name: str, random_resized_crop: bool) -> None:
+    """A model that fits a layer to the training images (`fit_to_images`) needs them in memory: one line naming the
+    fix when they are read from disk (random resized crops always are)."""
+    if hasattr(target_of(model_cfg, "model"), "fit_to_images"):
+        fix = "set data.augment=crop_flip" if random_resized_crop else "raise data.max_memory_gb"
+        raise ConfigError(
+            f"model._target_={model_cfg._target_} fits its first layer to training images held in memory, "
+            f"but data={data_name} is read from disk here; {fix} or pick another model"
+        )
 
 
 class _AirbenchStage(nn.Module):

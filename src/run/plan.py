@@ -22,7 +22,7 @@ from src.config.layout import Layout, resolve_device_type
 from src.config.schema import Range, check_section, check_value, declared, refuse_lookalikes, target_of
 from src.data.datasets import check_data_config
 from src.distributed import RankEnv
-from src.models import ModelStart
+from src.models import ModelStart, refuse_fit_from_disk
 from src.run.cluster import check_keys
 from src.run.optim import Optim
 from src.run.trainer_options import TrainerOptions
@@ -108,6 +108,8 @@ def _check_each_option(cfg: DictConfig) -> None:
     start = [key for key in declared(ModelStart) if key in cfg.model]  # a model YAML of your own may lack them
     check_section(OmegaConf.masked_copy(cfg.model, start), "model", ModelStart)
     check_starting_point(cfg)
+    if cfg.train and not cfg.model.get("weights") and cfg.data.get("augment") == "random_resized_crop":
+        refuse_fit_from_disk(cfg.model, cfg.data.name, random_resized_crop=True)  # crops cut from the files
     for name, options in (cfg.get("logger") or {}).items():
         check_section(options, f"logger.{name}", target_of(options, f"logger.{name}"), skip=("run_dir", "cfg"))
     refuse_lookalikes(cfg.paths, "paths", ("root_dir", "data_dir", "log_dir", "output_dir"))

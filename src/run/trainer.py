@@ -23,7 +23,7 @@ from src.data.epoch import eval_shard, plan_epoch
 from src.data.loader_plan import CROP_ON_DEVICE_GPU_WAIT
 from src.data.loaders import build_loader
 from src.distributed import RankEnv, destroy_process_group, init_process_group, rank_env, reduce_max
-from src.models import build_model, head_names, new_head_line
+from src.models import build_model, head_names, new_head_line, refuse_fit_from_disk
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
 from src.run.evaluate import evaluate
@@ -210,13 +210,8 @@ class Trainer:
     def fit_to_data(self, model: torch.nn.Module) -> None:
         """A layer fitted to the training images (airbench96's whitening), before any strategy copies the model:
         every rank fits it to the same images, so starts from the same weights. A resume or init_from loads over it."""
-        if not self.data.in_memory:
-            rrc = self.data.augment == "random_resized_crop"  # its crops are cut from the files on disk
-            fix = "set data.augment=crop_flip" if rrc else "raise data.max_memory_gb"
-            raise ConfigError(
-                f"model._target_={self.cfg.model._target_} fits its first layer to training images held in memory, "
-                f"but data={self.cfg.data.name} is read from disk here; {fix} or pick another model"
-            )
+        if not self.data.in_memory:  # data.max_memory_gb: known once the images are counted
+            refuse_fit_from_disk(self.cfg.model, self.cfg.data.name, self.data.augment == "random_resized_crop")
         model.fit_to_images(self.data.train_sample(FIT_IMAGES))
 
     def start_from(self, path: str) -> None:

@@ -129,6 +129,20 @@ def test_alternating_flips_invert_every_other_epoch_and_keep_the_crops():
             ["model=airbench96", "data.augment=random_resized_crop", "data.batch_size=4"],
             "held in memory, but data=imagefolder is read from disk here; set data.augment=crop_flip or pick another",
         ),
+        (  # known from the options: refused before the launcher starts the two processes
+            [
+                "model=airbench96",
+                "data.augment=random_resized_crop",
+                "data.batch_size=4",
+                "strategy=ddp",
+                "trainer.devices=2",
+            ],
+            "held in memory, but data=imagefolder is read from disk here; set data.augment=crop_flip or pick another",
+        ),
+        (  # known once the images are counted
+            ["model=airbench96", "data.max_memory_gb=1e-9", "data.batch_size=4"],
+            "held in memory, but data=imagefolder is read from disk here; raise data.max_memory_gb or pick another",
+        ),
     ],
 )
 def test_what_the_recipe_cannot_do_is_one_line(tmp_path, overrides, message):
@@ -138,6 +152,7 @@ def test_what_the_recipe_cannot_do_is_one_line(tmp_path, overrides, message):
     )
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "starting 2 processes" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(not CIFAR_JPEG_ZIP.exists(), reason="../shared/datasets/cifar10-jpeg.zip not present")
