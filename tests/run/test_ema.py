@@ -87,8 +87,9 @@ def test_single_ddp_and_fsdp_keep_the_same_average_and_fsdp_resumes_its_shards_e
     assert epochs[0] == epochs[1]  # evaluated with the average
 
 
-def test_a_resumed_run_ends_with_the_uninterrupted_runs_average(cfg_factory, tmp_path):
-    common = ("trainer.max_epochs=3", "trainer.save_top_k=3", "trainer.ema.decay=0.9", *EXACT)
+@pytest.mark.parametrize("lookahead", [(), ("trainer.ema.ramp_power=3", "trainer.ema.copy_back=true")])
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_average(cfg_factory, tmp_path, lookahead):
+    common = ("trainer.max_epochs=3", "trainer.save_top_k=3", "trainer.ema.decay=0.9", *lookahead, *EXACT)
     train(cfg_factory(*common, sub="a"))
     (epoch1,) = (tmp_path / "a/run/checkpoints").glob("epoch1-val_top1-*.pt")
     train(cfg_factory(*common, f"trainer.resume={epoch1}", sub="b"))
