@@ -79,8 +79,8 @@ class Strategy:
         """Options that do not fit this strategy, the trainer settings or the device type."""
         if self.sync_bn:
             raise ConfigError(
-                f"strategy.sync_bn=true works only with strategy=ddp (SyncBatchNorm needs "
-                f"DistributedDataParallel), got strategy={self.name}; drop strategy.sync_bn"
+                f"strategy.sync_bn=true works only with strategy=ddp (BatchNorm over every rank's batch), "
+                f"got strategy={self.name}; drop strategy.sync_bn"
             )
         t = cfg.trainer
         if t.compile_mode == "reduce-overhead" and not self.cuda_graphs:

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.config.errors import ConfigError
 from src.config.schema import PositiveReal
 from src.strategies.base import _broadcast_from_rank0, _Distributed
+from src.strategies.sync_batchnorm import global_batch_norm
 
 COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # strategy.comm_hook -> all-reduce dtype
 
@@ -34,11 +34,6 @@ class DDP(_Distributed):
     name: ClassVar[str] = "ddp"
 
     def check(self, cfg, device_type):
-        if self.sync_bn and device_type != "cuda":
-            raise ConfigError(
-                "strategy.sync_bn=true needs CUDA GPUs (torch's SyncBatchNorm has no CPU "
-                "kernel); drop it on CPU, or use model.batch_norm=false"
-            )
         sync_bn, self.sync_bn = self.sync_bn, False  # allowed here, unlike the base class
         try:
             super().check(cfg, device_type)
@@ -61,7 +56,7 @@ class DDP(_Distributed):
 
     def wrap(self, model, ctx):
         if self.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = global_batch_norm(model)
         self.core, self.after_backward = model, None
         if self.resolved_gradient_sync(ctx.compile, ctx.compile_mode) == "after_backward":
             _broadcast_from_rank0(model)
