@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 from torch import nn
+
+# torch registers the functional all-reduce's gradient itself in newer releases; older ones need _SumOverRanks
+_ALL_REDUCE_HAS_GRADIENT = torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_reduce", "Autograd")
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -19,16 +23,20 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, group):
-        import torch.distributed._functional_collectives as fc
-
         ctx.group = group
         return fc.all_reduce(tensor, "sum", group)
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed._functional_collectives as fc
-
         return fc.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the ranks, differentiable. torch's own gradient for the functional all-reduce keeps the compiled
+    graph cacheable (a custom autograd.Function makes AOTAutograd's cache pass it by: a recompile every run)."""
+    if _ALL_REDUCE_HAS_GRADIENT:
+        return fc.all_reduce(tensor, "sum", group)
+    return _SumOverRanks.apply(tensor, group)
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -52,7 +60,7 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         var, mean = torch.var_mean(work, dim=dims, correction=0)
         # sums of count, count * mean and count * E[x^2] over the ranks: ranks may hold unequal micro-batches
         local = torch.cat([mean.new_full((1,), count), count * mean, count * (var + mean * mean)])
-        total = _SumOverRanks.apply(local, self.group or dist.group.WORLD)
+        total = sum_over_ranks(local, self.group or dist.group.WORLD)
         n, channels = total[0], x.shape[1]
         mean = total[1 : 1 + channels] / n
         var = (total[1 + channels :] / n - mean * mean).clamp_min(0)
