@@ -109,6 +109,20 @@ def test_compiled_ddp_trains_like_compiled_single(tmp_path, cfg_factory, scope, 
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_ddp_with_sync_bn_trains_like_compiled_single_with_batchnorm(tmp_path, cfg_factory, mode):
+    """sync_bn's all-reduce inside the compiled graph (and, with reduce-overhead, inside its CUDA graphs): two ranks'
+    BatchNorm over 32 images each is one device's over 64."""
+    tiny = _tiny_compiled(mode, batch_norm=True)
+    single = launch(cfg_factory(*tiny, sub="single"))
+    ddp = launch(cfg_factory(*tiny, "strategy=ddp", "trainer.devices=2", "strategy.sync_bn=true", sub="ddp"))
+    assert ddp["params_in_sync"] is True and ddp["bn_buffers_in_sync"] is True
+    last = [find(tmp_path / sub / "run/checkpoints", "last") for sub in ("single", "ddp")]
+    assert_same_weights(*last, rtol=1e-4, atol=1e-5)  # BatchNorm's running statistics included
+    assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize(
     "units",
     [
