@@ -12,7 +12,7 @@ naming it (docs/extending.md).
 - `single.py`    `Single`, `DataParallel`
 - `ddp.py`       `DDP` and its flat after-backward gradient sync (`FlatGradientSync`)
 - `fsdp.py`      `FSDP` (FSDP2 fully_shard, compile per unit, CUDA graphs for one unit, prefetch, sharded checkpoints)
-- `sync_batchnorm.py`  ddp's `sync_bn`: BatchNorm over the global batch, summed across ranks inside the graph
+- `sync_batchnorm.py`  ddp's `sync_bn`: BatchNorm over the global batch, its statistics gathered inside the graph
 - `graph_shards.py`  fsdp's in-graph route: each rank's rows gathered by ops of the compiled graph
 - `local_shards.py`  an FSDP optimizer stepped over the local shards with fused kernels
 - `blocks.py`    `shard_targets`: a model's blocks (FSDP units, activation-checkpointing units)

@@ -1,9 +1,9 @@
-"""ddp's `sync_bn`: BatchNorm whose training statistics are those of the global batch, summed across ranks by a
-functional all-reduce that torch.compile traces into the model's graph.
+"""ddp's `sync_bn`: BatchNorm whose training statistics are those of the global batch, each rank's gathered by a
+functional all-gather that torch.compile traces into the model's graph.
 
 torch's SyncBatchNorm breaks the compiled graph at every layer (its collectives run outside it), so under
-`compile_mode=reduce-overhead` each layer ends a CUDA graph; it also has no CPU kernel. Here the per-rank sums are
-ops of the graph: it stays whole, CUDA graphs replay it, and gloo runs it on the CPU.
+`compile_mode=reduce-overhead` each layer ends a CUDA graph; it also has no CPU kernel. Here the gather is an op of
+the graph: it stays whole, CUDA graphs replay it, and gloo runs it on the CPU.
 """
 
 from __future__ import annotations
@@ -13,30 +13,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
 
-# torch registers the functional all-reduce's gradient itself in newer releases; older ones need _SumOverRanks
-_ALL_REDUCE_HAS_GRADIENT = torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_reduce", "Autograd")
 
-
-class _SumOverRanks(torch.autograd.Function):
-    """The sum of a tensor over the ranks; its gradient is the sum of the ranks' gradients (each rank's loss
-    depends on every rank's part)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return fc.all_reduce(tensor, "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return fc.all_reduce(grad.contiguous(), "sum", ctx.group), None
-
-
-def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
-    """The sum over the ranks, differentiable. torch's own gradient for the functional all-reduce keeps the compiled
-    graph cacheable (a custom autograd.Function makes AOTAutograd's cache pass it by: a recompile every run)."""
-    if _ALL_REDUCE_HAS_GRADIENT:
-        return fc.all_reduce(tensor, "sum", group)
-    return _SumOverRanks.apply(tensor, group)
+def gather_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `tensor`, stacked (world x ...), differentiable: the gradient of each rank's part is the sum
+    of the ranks' gradients for it. torch's differentiable all-gather, not an autograd.Function of ours, which
+    AOTAutograd's cache would pass by (the graph re-traced in every run)."""
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd  # torch < 2.12's name
+    return gather(tensor[None], 0, group)
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -55,15 +38,16 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not self.training or dist.get_world_size(self.group) == 1:
             return super().forward(x)
         dims = [0, *range(2, x.dim())]
-        count = x.numel() // x.shape[1]
         work = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in float32 at least, as torch's
         var, mean = torch.var_mean(work, dim=dims, correction=0)
-        # sums of count, count * mean and count * E[x^2] over the ranks: ranks may hold unequal micro-batches
-        local = torch.cat([mean.new_full((1,), count), count * mean, count * (var + mean * mean)])
-        total = sum_over_ranks(local, self.group or dist.group.WORLD)
-        n, channels = total[0], x.shape[1]
-        mean = total[1 : 1 + channels] / n
-        var = (total[1 + channels :] / n - mean * mean).clamp_min(0)
+        # each rank's count, mean and variance, combined as Chan et al.: no E[x^2] - E[x]^2 cancellation
+        local = torch.cat([mean.new_full((1,), x.numel() // x.shape[1]), mean, var])
+        ranks = gather_over_ranks(local, self.group or dist.group.WORLD)
+        channels = x.shape[1]
+        counts, means, variances = ranks[:, :1], ranks[:, 1 : 1 + channels], ranks[:, 1 + channels :]
+        n = counts.sum()
+        mean = (counts * means).sum(0) / n
+        var = (counts * (variances + (means - mean).square())).sum(0) / n
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach() * n / (n - 1).clamp_min(1))
         shape = [1, channels] + [1] * (x.dim() - 2)
