@@ -89,6 +89,16 @@ def test_ddp_sync_bn_matches_single_with_batchnorm(cfg_factory, tmp_path):
         assert_same_weights(single, find(tmp_path / "unsynced/run/checkpoints", "last"), rtol=1e-4, atol=1e-6)
 
 
+def test_ddp_sync_bn_with_accumulation_matches_single_with_accumulation(cfg_factory, tmp_path):
+    """Each micro-step's BatchNorm sees the ranks' micro-batches together: the single device's micro-batch."""
+    steps = ("scheduler=constant", "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.batch_size=64")
+    steps += ("trainer.accumulate_grad_batches=2",)
+    train(cfg_factory(*steps, sub="single"))
+    launch(cfg_factory(*steps, "strategy=ddp", "strategy.sync_bn=true", "trainer.devices=2", sub="ddp"))
+    synced = find(tmp_path / "ddp/run/checkpoints", "last")
+    assert_same_weights(tmp_path / "single/run/checkpoints/last.pt", synced, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("sync", ["reducer", "after_backward"])
 def test_ddp_accumulation_matches_single_big_batch(single_reference, cfg_factory, tmp_path, sync):
     launch(
