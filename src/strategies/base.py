@@ -71,13 +71,14 @@ class Strategy:
     fused_optimizer: ClassVar[bool] = True  # the optimizer's fused CUDA kernels work on its parameters
     channels_last_weights: ClassVar[bool] = True  # weights may be converted to channels_last
     cudnn_benchmark: ClassVar[bool] = True
+    batchnorm_sync: ClassVar[bool] = False  # strategy.sync_bn=true works (BatchNorm over every rank's batch)
     averages_gradients: ClassVar[bool] = False  # the sync divides by the world size (DDP's reducer, FSDP)
     ema: ClassVar[EMA | None] = None  # trainer.ema: set by the trainer after wrap; saved and resumed with the model
 
     # --- before any process starts -------------------------------------------------------------
     def check(self, cfg, device_type: str) -> None:
         """Options that do not fit this strategy, the trainer settings or the device type."""
-        if self.sync_bn:
+        if self.sync_bn and not self.batchnorm_sync:
             raise ConfigError(
                 f"strategy.sync_bn=true works only with strategy=ddp (BatchNorm over every rank's batch), "
                 f"got strategy={self.name}; drop strategy.sync_bn"

@@ -32,13 +32,7 @@ class DDP(_Distributed):
     gradient_sync: Literal["reducer", "after_backward", "auto"] = "auto"
 
     name: ClassVar[str] = "ddp"
-
-    def check(self, cfg, device_type):
-        sync_bn, self.sync_bn = self.sync_bn, False  # allowed here, unlike the base class
-        try:
-            super().check(cfg, device_type)
-        finally:
-            self.sync_bn = sync_bn
+    batchnorm_sync: ClassVar[bool] = True
 
     def resolved_gradient_sync(self, compile: bool, compile_mode: str) -> str:
         """auto: after_backward exactly when the backward is one CUDA graph (nothing left to overlap)."""

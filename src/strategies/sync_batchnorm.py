@@ -13,36 +13,34 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
 
+# torch's differentiable all-gather (an autograd.Function of ours would make AOTAutograd's cache pass the graph by,
+# re-tracing it in every run); torch < 2.12 names it all_gather_tensor_autograd
+_GATHER = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 
-def gather_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+
+def gather_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's `tensor`, stacked (world x ...), differentiable: the gradient of each rank's part is the sum
-    of the ranks' gradients for it. torch's differentiable all-gather, not an autograd.Function of ours, which
-    AOTAutograd's cache would pass by (the graph re-traced in every run)."""
-    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd  # torch < 2.12's name
-    return gather(tensor[None], 0, group)
+    of the ranks' gradients for it."""
+    return _GATHER(tensor[None], 0, dist.group.WORLD)
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over the batch of every rank together: in training, the mean and variance of all ranks' samples
     (and the running statistics updated from them, so every rank keeps the same ones); in evaluation, as torch's."""
 
-    def __init__(self, *args, group=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group = group
-
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or dist.get_world_size(self.group) == 1:
+        if not self.training or dist.get_world_size() == 1:
             return super().forward(x)
         dims = [0, *range(2, x.dim())]
         work = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in float32 at least, as torch's
         var, mean = torch.var_mean(work, dim=dims, correction=0)
         # each rank's count, mean and variance, combined as Chan et al.: no E[x^2] - E[x]^2 cancellation
         local = torch.cat([mean.new_full((1,), x.numel() // x.shape[1]), mean, var])
-        ranks = gather_over_ranks(local, self.group or dist.group.WORLD)
+        ranks = gather_over_ranks(local)
         channels = x.shape[1]
         counts, means, variances = ranks[:, :1], ranks[:, 1 : 1 + channels], ranks[:, 1 + channels :]
         n = counts.sum()
@@ -68,12 +66,12 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), factor)
 
 
-def global_batch_norm(module: nn.Module, group=None) -> nn.Module:
-    """`module` with each BatchNorm replaced by a `GlobalBatchNorm` over `group`'s ranks, holding the same
+def global_batch_norm(module: nn.Module) -> nn.Module:
+    """`module` with each BatchNorm replaced by a `GlobalBatchNorm` over all ranks, holding the same
     parameters and buffers (so optimizers, checkpoints and state-dict keys are unchanged)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
         synced = GlobalBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, group=group
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
         synced.weight, synced.bias = module.weight, module.bias
         for name, buffer in module.named_buffers(recurse=False):
@@ -81,5 +79,5 @@ def global_batch_norm(module: nn.Module, group=None) -> nn.Module:
         synced.train(module.training)
         return synced
     for name, child in module.named_children():
-        module.add_module(name, global_batch_norm(child, group))
+        module.add_module(name, global_batch_norm(child))
     return module
