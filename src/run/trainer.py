@@ -88,6 +88,13 @@ def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
                 torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
 
 
+def cudnn_autotune(t, strategy) -> bool:
+    """Whether cuDNN times each convolution's algorithms on first use (faster steps after a slower first epoch):
+    trainer.cudnn_benchmark, unless deterministic (its pick may vary run to run) or the strategy cannot keep the
+    tuned plans (dp)."""
+    return t.cudnn_benchmark and not t.deterministic and strategy.cudnn_benchmark
+
+
 @contextlib.contextmanager
 def process_settings_restored():
     """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads); the next run in
@@ -130,10 +137,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if t.deterministic:  # the same bits run to run, and fp32 without TF32's 10-bit mantissa
             torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.backends.cudnn.benchmark = False
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        elif self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = self.strategy.cudnn_benchmark
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = cudnn_autotune(t, self.strategy)
         self.data = load_data(cfg.data)
         if cfg.train and self.layout.global_batch > len(self.data.train):  # a step would use fewer images than said
             raise ConfigError(

@@ -35,6 +35,7 @@ class TrainerOptions:
     compile: bool
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
     deterministic: bool
+    cudnn_benchmark: bool
     label_smoothing: Annotated[float, Fraction]
     grad_clip: Annotated[float, PositiveReal] | None
     resume: str | None

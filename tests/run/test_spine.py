@@ -664,3 +664,21 @@ def test_flat_gradient_buffer_keeps_each_layout(layout):
         assert view.is_contiguous()
     else:
         assert view.stride() == t.stride() and torch.equal(flat[3:], t.as_strided((t.numel(),), (1,)))
+
+
+@pytest.mark.parametrize(
+    "asked, deterministic, strategy_keeps_plans, autotune",
+    [
+        (True, False, True, True),
+        (False, False, True, False),  # trainer.cudnn_benchmark=false
+        (True, True, True, False),  # deterministic: cuDNN's timed pick may differ run to run
+        (True, False, False, False),  # dp: its threads cannot keep the tuned plans
+    ],
+)
+def test_cudnn_autotunes_only_where_asked_and_allowed(asked, deterministic, strategy_keeps_plans, autotune):
+    from types import SimpleNamespace
+
+    from src.run.trainer import cudnn_autotune
+
+    t = SimpleNamespace(cudnn_benchmark=asked, deterministic=deterministic)
+    assert cudnn_autotune(t, SimpleNamespace(cudnn_benchmark=strategy_keeps_plans)) is autotune
