@@ -3,7 +3,7 @@ process. DALI decodes in threads of its own, outside Python's interpreter lock, 
 decoder where there is one: where a host has few CPUs per GPU, it keeps the GPU fed where DataLoader workers
 cannot (docs/data.md). It decodes only each training crop's region.
 
-ddplab still draws every crop and flip from (seed, epoch, sample id) (src/data/augment.py) and passes them in, so
+ddplab still draws every crop and flip from (seed, epoch, sample id) (src/data/disk_crops.py) and passes them in, so
 the batches hold the same crops of the same samples as on every other path, for any strategy, world size or
 resume; the pixels differ from the CPU path's by DALI's JPEG decoder (as nvjpeg's do, data.decode=gpu) and resize
 filter.
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from src.config.errors import ConfigError
-from src.data.augment import DiskCrops, eval_geometry, rrc_params
 from src.data.datasets import DataBundle
 from src.data.decode import encoded_size
+from src.data.disk_crops import DiskCrops, eval_geometry, rrc_params
 from src.data.fetch import SPLITS, Fetched
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from src.data.augment import epoch_generator
+from src.data.draws import epoch_generator
 
 
 @dataclass

@@ -16,9 +16,11 @@ from typing import NamedTuple
 import torch
 
 from src.config.errors import ConfigError
-from src.data.augment import Augmentation, DiskCrops, EpochDraws, to_device, trivial_augment
+from src.data.augment import Augmentation, EpochDraws, to_device
 from src.data.datasets import DataBundle
 from src.data.decode import EncodedImages, as_tensor, decode_batch, decode_cpu, gpu_decodable
+from src.data.disk_crops import DiskCrops
+from src.data.recipes import trivial_augment
 from src.state.signals import data_workers_started, leave_stops_to_the_trainer
 
 SPLITS = ("train", "val", "test")

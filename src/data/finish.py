@@ -10,8 +10,9 @@ import logging
 import torch
 
 from src.config.errors import ConfigError
-from src.data.augment import Augmentation, DiskCrops, EpochDraws, to_device
+from src.data.augment import Augmentation, EpochDraws, to_device
 from src.data.datasets import DataBundle
+from src.data.disk_crops import DiskCrops
 from src.data.fetch import Fetched
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from src.data.augment import Augmentation, AugmentOptions, DiskCrops, Recipe, to_device
+from src.data.augment import Augmentation, AugmentOptions, to_device
 from src.data.dali import DaliCrops
 from src.data.datasets import DataBundle, options_of
 from src.data.decode import EncodedImages
+from src.data.disk_crops import DiskCrops
 from src.data.epoch import MicroBatch, ReadAhead, Step, micro_batches, with_boundaries
 from src.data.fetch import (
     DiskFetch,
@@ -125,7 +126,7 @@ class WorkerLoader:
 
     def settle_crops(self, on_device: bool) -> None:
         """data.crop=auto's measured choice: the batches asked for from now on are cropped by this process
-        (`on_device`) or by the workers; the same crops either way (src/data/augment.py DiskCrops)."""
+        (`on_device`) or by the workers; the same crops either way (src/data/disk_crops.py)."""
         self.plan = self.plan.settled(on_device)
 
     def _request(self, split: str, epoch: int | None, ids: torch.Tensor) -> tuple:
@@ -276,7 +277,7 @@ def build_loader(
     )
     if device.type == "cuda" and device.index is None:  # the workers must know which GPU "cuda" means here
         device = torch.device("cuda", torch.cuda.current_device())
-    recipe = Recipe.of(augment)
+    recipe = augment.recipe
     augmentation = Augmentation(data, channels_last, device, augment.cutout, augment.pad_mode, recipe, augment.flip)
     if plan.resident:
         return ResidentLoader(data, augmentation, seed, compile)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from src.config.commands import train_command
 from src.config.errors import ConfigError
-from src.data.augment import AugmentOptions, Recipe
+from src.data.augment import AugmentOptions
 from src.data.datasets import load_data, options_of
 from src.data.decode import EncodedImages
 from src.data.epoch import eval_shard, plan_epoch
@@ -269,7 +269,7 @@ class Trainer:
         if self._last_plan and self._last_plan[0] == epoch:
             return self._last_plan[1]
         # with torch.compile a short last batch would trigger a recompile; mixing pairs need even micro-batches
-        drop_last = self.t.compile or Recipe.of(options_of(self.cfg.data, AugmentOptions)).mixing is not None
+        drop_last = self.t.compile or options_of(self.cfg.data, AugmentOptions).recipe.mixing is not None
         steps = plan_epoch(
             len(self.data.train),
             self.layout.global_batch,

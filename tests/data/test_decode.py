@@ -19,9 +19,10 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from src.config.errors import ConfigError
-from src.data.augment import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, sample_uniforms, size_groups
 from src.data.datasets import load_data
 from src.data.decode import as_tensor, decode_cpu, gpu_decodable
+from src.data.disk_crops import DiskCrops, eval_geometry, resample, rrc_boxes, rrc_params, size_groups
+from src.data.draws import sample_uniforms
 from src.data.epoch import plan_epoch
 from src.data.fetch import gpu_decoded
 from src.data.loader_plan import cpus_of_this_process, dali_installed, resolve_workers

@@ -9,17 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from src.config.errors import ConfigError
-from src.data.augment import (
-    AugmentOptions,
-    Recipe,
-    erase_and_mix,
-    mix_draws,
-    recipe_draws,
-    sample_uniforms,
-    trivial_augment,
-)
+from src.data.augment import AugmentOptions
 from src.data.datasets import load_data, options_of
+from src.data.draws import sample_uniforms
 from src.data.epoch import plan_epoch
+from src.data.recipes import Recipe, erase_and_mix, mix_draws, recipe_draws, trivial_augment
 from src.run.loss import build_loss_terms, loss_terms
 from src.run.plan import plan_layout
 from tests.conftest import resident_loader, workers_loader
@@ -171,7 +165,7 @@ def test_bad_recipe_settings_are_one_line(cfg_factory, overrides, message):
 
 def test_recipes_are_off_by_default(cfg_factory):
     def recipe(*overrides):
-        return Recipe.of(options_of(cfg_factory(*overrides).data, AugmentOptions))
+        return options_of(cfg_factory(*overrides).data, AugmentOptions).recipe
 
     assert not recipe().on and recipe("data.cutmix_alpha=1").mixing
 
