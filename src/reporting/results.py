@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -182,16 +183,26 @@ def log_final(final: dict, replicated: bool) -> None:
         log.info("efficiency: %s", efficiency_line(final))
 
 
-def _git_commit() -> str | None:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
+def git_state(repo: Path) -> dict:
+    """The commit checked out in `repo`, and whether its tracked files differ from it (then the commit alone does
+    not give back the code that ran). Nones outside a git checkout or without git."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=repo)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD") or None
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": None if changes is None else bool(changes)}
+
+
+@functools.cache
+def _code_state() -> dict:
+    """ddplab's git_state, read once per process: the code a run imported at its start."""
+    return git_state(Path(__file__).parent)
 
 
 def _finite(obj):
@@ -228,7 +239,7 @@ def write_metrics(
         "overrides": overrides,
         "config": OmegaConf.to_container(cfg, resolve=True),
         **host(device),
-        "git_commit": _git_commit(),
+        **_code_state(),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{name}.tmp"
