@@ -378,6 +378,8 @@ def table(report: dict) -> str:
 
 
 def summarize(args, runs: dict, extra: dict | None = None) -> dict:
+    from src.reporting.results import git_state
+
     first = next((r for r in runs.values() if r["ok"]), {})
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -386,6 +388,7 @@ def summarize(args, runs: dict, extra: dict | None = None) -> dict:
         "gpu_count": first.get("gpu_count", 0),
         "torch_version": first.get("torch_version", "?"),
         **{k: first.get(k) for k in ("cpu_model", "cpus", "cpus_usable", "hostname")},
+        **git_state(ROOT),  # the code measured: its commit, and whether tracked files differed from it
         "smoke": args.smoke,
         "data": data_label(args),
         "batch_per_gpu": args.batch,

@@ -106,6 +106,8 @@ def test_smoke_runs_everything_and_computes_ratios(smoke):
     assert report["data"] == "synthetic 1024x3x16x16"
     assert runs["ceiling-fp32"]["precision"] == "fp32" and len(runs["ceiling-fp32"]["window_sec"]) >= 2
     assert "--smoke" in report["command"] and report["torch_version"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["git_commit"] == head and isinstance(report["git_dirty"], bool)  # the code measured
     assert report["cpus"] == os.cpu_count() and "cpu_model" in report and report["cpus_usable"]  # the host, too
     assert all(r["cpus"] == os.cpu_count() for r in runs.values())
     check_ratios(report)
