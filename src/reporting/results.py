@@ -195,7 +195,8 @@ def git_state(repo: Path) -> dict:
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD") or None
-    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    # without --no-optional-locks, git status rewrites the checkout's .git/index: a file the run did not create
+    changes = git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None
     return {"git_commit": commit, "git_dirty": None if changes is None else bool(changes)}
 
 

@@ -1,5 +1,6 @@
 """metrics.json names the code that ran: its commit, and whether tracked files differed from that commit."""
 
+import os
 import subprocess
 
 from src.reporting.results import git_state
@@ -27,7 +28,11 @@ def test_a_commit_is_named_with_whether_the_tracked_files_differ_from_it(tmp_pat
     head = git(repo, "rev-parse", "HEAD")
     assert git_state(repo) == {"git_commit": head, "git_dirty": False}
     (repo / "notes.txt").write_text("an untracked file is not the code")
+    index = (repo / ".git" / "index").read_bytes()
+    stat = (repo / "model.py").stat()
+    os.utime(repo / "model.py", ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))  # same content, newer
     assert git_state(repo) == {"git_commit": head, "git_dirty": False}
+    assert (repo / ".git" / "index").read_bytes() == index  # looked at, not rewritten (plain git status would)
     (repo / "model.py").write_text("width = 128\n")  # what ran is no longer what the commit holds
     assert git_state(repo) == {"git_commit": head, "git_dirty": True}
     plain = tmp_path / "plain"
