@@ -45,5 +45,5 @@ def test_a_runs_metrics_name_this_checkout_and_its_uncommitted_changes(tmp_path)
     proc = run_cli("debug=fast", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = read_metrics(run_dir)
-    changed = git(ROOT, "status", "--porcelain", "--untracked-files=no") != ""
+    changed = git(ROOT, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no") != ""
     assert (m["git_commit"], m["git_dirty"]) == (git(ROOT, "rev-parse", "HEAD"), changed)
