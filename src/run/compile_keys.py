@@ -1,6 +1,6 @@
-"""torch.compile keys its caches by hashes of torch's and Triton's source files. A process computes them once, on its
-first compile: inside the first training step, unless started earlier. `prefetch_compile_keys` starts them in the
-background, so the hashing overlaps loading the data instead."""
+"""torch.compile keys its caches by hashes of torch's and Triton's source files. A process imports the code that
+computes them and computes them once, at its first compile: inside the first training step, unless started earlier.
+`prefetch_compile_keys` does both in a background thread, so they overlap loading the data instead."""
 
 from __future__ import annotations
 
@@ -20,20 +20,15 @@ def _key_functions() -> list:
     return [f for f in (getattr(codecache, "torch_key", None), triton_key) if callable(f)]
 
 
-def _compute(functions: list) -> None:
-    for f in functions:
-        try:
+def _compute() -> None:
+    try:
+        for f in _key_functions():
             f()
-        except Exception:  # noqa: BLE001 - the first compile computes it again and reports any error itself
-            return
+    except Exception:  # noqa: BLE001 - the first compile computes them again and reports any error itself
+        return
 
 
 def prefetch_compile_keys() -> None:
-    """Start the cache keys' hashing; the first compile then finds them computed (torch >= 2.13 waits for its own
-    prefetch; before, a compile that comes first computes them alongside, as it would have anyway)."""
-    functions = _key_functions()
-    if functions and all(hasattr(f, "prefetch") for f in functions):
-        for f in functions:
-            f.prefetch()
-    elif functions:
-        threading.Thread(target=_compute, args=(functions,), name="compile-keys", daemon=True).start()
+    """Import and compute the cache keys in the background; the first compile then finds them ready (a compile that
+    comes first waits for the import, and on torch < 2.13 computes the keys alongside, as it would have anyway)."""
+    threading.Thread(target=_compute, name="compile-keys", daemon=True).start()
