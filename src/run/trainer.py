@@ -26,7 +26,6 @@ from src.distributed import RankEnv, destroy_process_group, init_process_group, 
 from src.models import build_model, head_names, new_head_line, refuse_fit_from_disk
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
-from src.run.compile_keys import prefetch_compile_keys
 from src.run.evaluate import evaluate
 from src.run.loss import build_loss_terms
 from src.run.meter import CropProbe, EpochMeter, StepLog
@@ -141,8 +140,6 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = cudnn_autotune(t, self.strategy)
-        if t.compile:  # hashed while the data loads, not in the first step
-            prefetch_compile_keys()
         self.data = load_data(cfg.data)
         if cfg.train and self.layout.global_batch > len(self.data.train):  # a step would use fewer images than said
             raise ConfigError(
