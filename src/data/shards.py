@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from src.config.arguments import jpeg_quality, positive, positive_number
 from src.config.errors import ConfigError
 from src.data.decode import EncodedImages, as_tensor, decode_cpu, unreadable
-from src.state.signals import Interrupted, interrupt_outside_training
+from src.state.signals import Interrupted, StopRequest, interrupt_outside_training
 
 if TYPE_CHECKING:
     from src.data.datasets import DataBundle
@@ -252,20 +252,29 @@ def pack_split(
     jobs = [(path, max_side, quality) for path, _ in ds.samples]
     shard, offset, length, shards = [], [], [], []
     current, written = None, 0
-    with Pool(workers, _worker_start) if max_side and workers > 1 else _Serial() as pool:
-        for data in pool.imap(_payload, jobs, chunksize=64):
-            if current is None or (written and written + len(data) > shard_bytes):
-                if current is not None:
-                    current.close()
-                shards.append(f"{name}-{len(shards):05d}.shard")
-                current, written = open(out / shards[-1], "wb"), 0
-            shard.append(len(shards) - 1)
-            offset.append(written)
-            length.append(len(data))
-            current.write(data)
-            written += len(data)
-    if current is not None:
-        current.close()
+    # a stop is acted on between images: raised inside Pool's own code, it can leave Pool.terminate waiting forever
+    stop = StopRequest(elastic=False)
+    try:
+        with Pool(workers, _worker_start) if max_side and workers > 1 else _Serial() as pool:
+            for data in pool.imap(_payload, jobs, chunksize=64):
+                if stop.signum is not None:
+                    break
+                if current is None or (written and written + len(data) > shard_bytes):
+                    if current is not None:
+                        current.close()
+                    shards.append(f"{name}-{len(shards):05d}.shard")
+                    current, written = open(out / shards[-1], "wb"), 0
+                shard.append(len(shards) - 1)
+                offset.append(written)
+                length.append(len(data))
+                current.write(data)
+                written += len(data)
+    finally:
+        stop.restore()
+        if current is not None:
+            current.close()
+    if stop.signum is not None:
+        raise Interrupted(stop.signum)
     np.savez(
         out / f"{name}-index.npz",
         shard=np.array(shard, dtype=np.int32),
