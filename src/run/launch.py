@@ -102,7 +102,8 @@ def main(cfg: DictConfig) -> dict:
     signals = contextlib.nullcontext() if env.external else interrupt_outside_training()
     with signals, lock:
         if env.external or plan.layout.world_size == 1:
-            return train(cfg, plan)
+            # a local multirun's next job in this process may reuse this one's compiled graphs (a seed sweep)
+            return train(cfg, plan, keep_compiled=_hydra_mode() == "MULTIRUN")
         return spawn(cfg, plan.layout.world_size)  # each rank is a process of its own and plans there
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.config.commands import train_command
@@ -70,22 +71,53 @@ def prepare_run(cfg: DictConfig, plan: RunPlan | None = None) -> Trainer:
     return Trainer(cfg, env, plan, init_process_group(env, plan.layout.device_type))
 
 
-def train(cfg: DictConfig, plan: RunPlan | None = None) -> dict:
+def train(cfg: DictConfig, plan: RunPlan | None = None, keep_compiled: bool = False) -> dict:
     """Train (or evaluate, with train=false) as configured; return the final metrics on every rank. `plan`: the
-    one src/run/launch.py made for this process, if any."""
+    one src/run/launch.py made for this process, if any. `keep_compiled`: another run may follow in this process
+    (a local multirun), which reuses this run's compiled graphs if its config differs only in the seed."""
+    compiled_as = compile_key(cfg)
+    if _kept_graphs["of"] not in (None, compiled_as):
+        forget_compiled()
+    elif _kept_graphs["of"] is not None:
+        log.info("torch.compile: this job reuses the previous job's compiled graphs (the configs differ only in seed)")
+    finished = False
     with process_settings_restored():
         run = prepare_run(cfg, plan)
         try:
             final = run.execute()
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()  # no rank frees the group while another still reduces over it
+            finished = True
             return final
         finally:
             run.close()
             del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
             destroy_process_group()
-            if cfg.trainer.compile:  # the next run in this process compiles afresh, as its own process would:
-                torch._dynamo.reset()  # kept graphs count toward recompile_limit, then functions run eagerly
+            if compiled_as is not None and finished and keep_compiled:
+                _kept_graphs["of"] = compiled_as
+            elif compiled_as is not None or _kept_graphs["of"] is not None:
+                forget_compiled()
+
+
+# the config (less its seed) of the last run whose compiled graphs this process keeps, or None
+_kept_graphs: dict[str, str | None] = {"of": None}
+
+
+def compile_key(cfg: DictConfig) -> str | None:
+    """What decides a compiled run's graphs: its config as written, less the seed and the paths that name it."""
+    if not cfg.trainer.compile:
+        return None
+    written = OmegaConf.to_container(cfg, resolve=False)
+    for name in ("seed", "paths"):
+        written.pop(name, None)
+    return json.dumps(written, sort_keys=True, default=str)
+
+
+def forget_compiled() -> None:
+    """The next run compiles afresh, as its own process would. Graphs kept for other configs would count toward
+    recompile_limit, after which functions run eagerly, and their CUDA-graph pools would stay held."""
+    torch._dynamo.reset()
+    _kept_graphs["of"] = None
 
 
 def cudnn_autotune(t, strategy) -> bool:

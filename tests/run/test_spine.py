@@ -21,7 +21,7 @@ from src.config.errors import ConfigError
 from src.data.datasets import load_data
 from src.models import build_model
 from src.run.launch import main as launch
-from src.run.trainer import train
+from src.run.trainer import forget_compiled, train
 from tests.conftest import (
     CIFAR_JPEG_ZIP,
     ROOT,
@@ -161,7 +161,8 @@ def test_a_run_leaves_the_process_torch_settings_as_it_found_them(cfg_factory):
         torch.set_num_threads(original[3])
 
 
-def test_each_compiled_run_in_one_process_compiles_like_a_fresh_process(cfg_factory):
+@pytest.mark.parametrize("keep_compiled", [False, True])
+def test_each_compiled_run_of_another_config_in_one_process_compiles_like_a_fresh_process(cfg_factory, keep_compiled):
     # A local multirun trains its jobs in one process. torch.compile's caches would carry over: once a function
     # has been compiled recompile_limit times (8; 1 here), every later job ran it eagerly, saying nothing.
     from torch._dynamo.utils import counters
@@ -170,8 +171,24 @@ def test_each_compiled_run_in_one_process_compiles_like_a_fresh_process(cfg_fact
     with torch._dynamo.config.patch(recompile_limit=1):
         for batch in (32, 16):  # another shape: a recompilation, were the first job's graphs kept
             before = counters["stats"]["unique_graphs"]
-            train(cfg_factory(*compiled, f"data.batch_size={batch}", sub=str(batch)))
+            train(cfg_factory(*compiled, f"data.batch_size={batch}", sub=str(batch)), keep_compiled=keep_compiled)
             assert counters["stats"]["unique_graphs"] > before, f"the job with data.batch_size={batch} ran eagerly"
+    forget_compiled()
+
+
+def test_the_next_seed_in_one_process_reuses_the_compiled_graphs_and_gets_a_fresh_compiles_numbers(cfg_factory):
+    from torch._dynamo.utils import counters
+
+    compiled = ("trainer.compile=true", "trainer.max_epochs=2", "trainer.limit_train_batches=3")
+    train(cfg_factory(*compiled, "seed=1", sub="1"), keep_compiled=True)
+    before = counters["stats"]["unique_graphs"]
+    reused = train(cfg_factory(*compiled, "seed=2", sub="2"), keep_compiled=True)
+    assert counters["stats"]["unique_graphs"] == before, "the seed-2 job compiled its graphs again"
+    forget_compiled()
+    fresh = train(cfg_factory(*compiled, "seed=2", sub="fresh"))
+    assert counters["stats"]["unique_graphs"] > before
+    for key in ("test_loss", "test_top1", "val_loss", "val_top1"):
+        assert reused[key] == fresh[key], key
 
 
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):

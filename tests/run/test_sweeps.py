@@ -162,6 +162,21 @@ def test_points_with_more_overrides_than_a_folder_name_holds_each_run_in_a_folde
     assert report.returncode == 0
 
 
+def test_a_compiled_seed_sweep_compiles_once_and_each_seed_gets_its_own_runs_numbers(tmp_path):
+    compiled = ("debug=fast", "trainer.compile=true", "trainer.max_epochs=2")
+    proc = run_cli("-m", *compiled, "seed=1,2", f"hydra.sweep.dir={tmp_path}/s", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("this job reuses the previous job's compiled graphs") == 1, proc.stdout[-3000:]
+    alone = run_cli(*compiled, "seed=2", f"hydra.run.dir={tmp_path}/alone", cwd=tmp_path, timeout=600)
+    assert alone.returncode == 0 and "reuses" not in alone.stdout, alone.stderr[-3000:]
+    [swept_dir] = (tmp_path / "s").glob("*seed=2*")
+    swept = json.loads((swept_dir / "metrics.json").read_text())
+    own = json.loads((tmp_path / "alone/metrics.json").read_text())
+    for key in ("test_loss", "test_top1", "val_loss", "val_top1"):
+        assert swept["final"][key] == own["final"][key], key
+    assert [e["train_loss"] for e in swept["epochs"]] == [e["train_loss"] for e in own["epochs"]]
+
+
 def test_a_failed_sweep_into_an_existing_folder_deletes_nothing_of_it(tmp_path):
     logs = tmp_path / "my logs"
     (logs / "old").mkdir(parents=True)
