@@ -126,6 +126,25 @@ def assert_compiled_loader_augments_like_eager(
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 
+def assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *overrides: str) -> tuple[dict, dict]:
+    """Seed 1, then seed 2 in one process, as a local multirun trains them: seed 2 compiles no graph, and its figures
+    equal seed 2's compiled afresh. Returns both seed-2 runs' final metrics (reused, fresh)."""
+    from torch._dynamo.utils import counters
+
+    from src.run.trainer import forget_compiled, train
+
+    train(cfg_factory(*overrides, "seed=1", sub="1"), keep_compiled=True)
+    before = counters["stats"]["unique_graphs"]
+    reused = train(cfg_factory(*overrides, "seed=2", sub="2"), keep_compiled=True)
+    assert counters["stats"]["unique_graphs"] == before, "the seed-2 run compiled its graphs again"
+    forget_compiled()
+    fresh = train(cfg_factory(*overrides, "seed=2", sub="fresh"))
+    assert counters["stats"]["unique_graphs"] > before
+    for key in ("test_loss", "test_top1", "val_loss", "val_top1"):
+        assert reused[key] == fresh[key], key
+    return reused, fresh
+
+
 def assert_same_weights(a: Path, b: Path, rtol=1e-4, atol=1e-6):
     from src.state.checkpoint import load_full
 

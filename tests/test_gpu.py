@@ -11,6 +11,7 @@ from src.state.checkpoint import find
 from tests.conftest import (
     assert_compiled_loader_augments_like_eager,
     assert_same_weights,
+    assert_the_next_seed_reuses_the_compiled_graphs,
     read_metrics,
     run_cli,
     start_until_checkpoint,
@@ -160,6 +161,13 @@ def _tiny_compiled(mode: str, batch_norm: bool = False) -> tuple[str, ...]:
         "trainer.deterministic=true",  # fp32 without TF32
         f"trainer.compile_mode={mode}",
     )
+
+
+def test_the_next_seed_under_cuda_graphs_reuses_the_compiled_code_and_gets_a_fresh_runs_numbers(cfg_factory):
+    # the next run records its CUDA graphs anew for its own tensors, while the last run's pool stays
+    graphs = (*GPU, "trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.max_epochs=2")
+    reused, fresh = assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *graphs)
+    assert reused["peak_mem_reserved_gb"] <= 2 * fresh["peak_mem_reserved_gb"]
 
 
 def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):

@@ -93,8 +93,10 @@ def train(cfg: DictConfig, plan: RunPlan | None = None, keep_compiled: bool = Fa
             run.close()
             del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
             destroy_process_group()
-            if compiled_as is not None and finished and keep_compiled:
+            if compiled_as is not None and finished and keep_compiled and room_for_another_graph_pool():
                 _kept_graphs["of"] = compiled_as
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # what this run's tensors left in the allocator's cache
             elif compiled_as is not None or _kept_graphs["of"] is not None:
                 forget_compiled()
 
@@ -111,6 +113,14 @@ def compile_key(cfg: DictConfig) -> str | None:
     for name in ("seed", "paths"):
         written.pop(name, None)
     return json.dumps(written, sort_keys=True, default=str)
+
+
+def room_for_another_graph_pool() -> bool:
+    """Kept graphs hold their CUDA-graph memory pool while the next run records its own, so the next run may
+    reserve up to twice this run's device memory: keep them only where that fits."""
+    if not torch.cuda.is_available():
+        return True
+    return 2 * torch.cuda.max_memory_reserved() <= 0.9 * torch.cuda.get_device_properties(0).total_memory
 
 
 def forget_compiled() -> None:

@@ -26,6 +26,7 @@ from tests.conftest import (
     CIFAR_JPEG_ZIP,
     ROOT,
     assert_compiled_loader_augments_like_eager,
+    assert_the_next_seed_reuses_the_compiled_graphs,
     read_metrics,
     run_cli,
     run_cli_meanwhile,
@@ -177,18 +178,8 @@ def test_each_compiled_run_of_another_config_in_one_process_compiles_like_a_fres
 
 
 def test_the_next_seed_in_one_process_reuses_the_compiled_graphs_and_gets_a_fresh_compiles_numbers(cfg_factory):
-    from torch._dynamo.utils import counters
-
     compiled = ("trainer.compile=true", "trainer.max_epochs=2", "trainer.limit_train_batches=3")
-    train(cfg_factory(*compiled, "seed=1", sub="1"), keep_compiled=True)
-    before = counters["stats"]["unique_graphs"]
-    reused = train(cfg_factory(*compiled, "seed=2", sub="2"), keep_compiled=True)
-    assert counters["stats"]["unique_graphs"] == before, "the seed-2 job compiled its graphs again"
-    forget_compiled()
-    fresh = train(cfg_factory(*compiled, "seed=2", sub="fresh"))
-    assert counters["stats"]["unique_graphs"] > before
-    for key in ("test_loss", "test_top1", "val_loss", "val_top1"):
-        assert reused[key] == fresh[key], key
+    assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *compiled)
 
 
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
