@@ -917,6 +917,14 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path, damage):
         # the options only: not the arguments the code fills (num_classes, a loader's cfg) nor _target_
         (["model.foo=1"], "model.foo is not an option of model (it has width, batch_norm, weights, freeze); to add"),
         (["hydra.run.dir=/tmp/ünï x"], "cannot read the override 'hydra.run.dir=/tmp/ünï x'"),
+        (
+            ["-m", "seed=1,2", "--cfg", "job"],
+            "--multirun and --cfg ask Hydra for two things at once; keep one",
+        ),  # was a
+        (["--info", "--multirun"], "--info and --multirun ask Hydra for two things at once"),  # traceback
+        (["seed=1,2", "--help"], "--help shows one config, and seed=1,2 is a sweep of several; give it one value"),
+        (["--cfg", "job", "seed=1,2"], "--cfg shows one config, and seed=1,2 is a sweep of several"),
+        (["seed=1,2"], "seed=1,2 lists several values: add -m to sweep them (python train.py -m ...), or give"),
     ],
 )
 def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args, message):

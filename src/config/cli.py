@@ -5,6 +5,7 @@ misspelt key, `+key=value`, would add the typo as a new key.)"""
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from src.config.renamed import RENAMED_OPTIONS
@@ -14,6 +15,19 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "-
 # arguments of a section's _target_ that the code passes itself: never options to suggest
 FILLED_BY_THE_CODE = {"cfg", "num_classes", "in_channels"}
 FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p"}
+# what Hydra is asked to do: one at a time (it says so with a traceback)
+HYDRA_MODES = {
+    "-r": "--run",
+    "--run": "--run",
+    "-m": "--multirun",
+    "--multirun": "--multirun",
+    "-c": "--cfg",
+    "--cfg": "--cfg",
+    "-i": "--info",
+    "--info": "--info",
+    "-sc": "--shell-completion",
+    "--shell-completion": "--shell-completion",
+}
 
 
 def _suggest(word: str, options) -> str:
@@ -29,14 +43,49 @@ def _overrides(argv: list[str]) -> list[str] | None:
     return [arg for arg in argv if not arg.startswith("-")]
 
 
+def _a_sweep(argv: list[str]) -> str | None:
+    """The first override of argv that lists several values (`seed=1,2`, `lr=range(1,3)`), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in argv:
+        if "=" in arg and not arg.startswith("-"):
+            try:
+                if parser.parse_override(arg).is_sweep_override():
+                    return arg
+            except (OverrideParseException, HydraException):
+                continue
+    return None
+
+
+def _chooses_multirun(overrides: list[str]) -> bool:
+    """Whether a group option named on the command line sets `hydra.mode: MULTIRUN` (cluster=slurm, an Optuna
+    search), which sweeps without -m."""
+    for arg in overrides:
+        group, _, option = arg.lstrip("+").partition("=")
+        path = CONF / group / f"{option}.yaml"
+        if "/" not in group and path.is_file() and re.search(r"^\s+mode:\s*MULTIRUN\b", path.read_text(), re.M):
+            return True
+    return False
+
+
 def problem(argv: list[str]) -> str | None:
     """What is wrong with the command line's overrides, in one line, or None (then Hydra reads it)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, OverrideParseException
 
+    modes = list(dict.fromkeys(HYDRA_MODES[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in HYDRA_MODES))
+    if len(modes) > 1:
+        return f"{modes[0]} and {modes[1]} ask Hydra for two things at once; keep one of them"
+    shown = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in {"--help", "-h", "--cfg", "-c"}]
+    if shown and (swept := _a_sweep(argv)):
+        return f"{shown[0]} shows one config, and {swept} is a sweep of several; give it one value to see that config"
     overrides = _overrides(argv)
     if not overrides:
         return None
+    if "--multirun" not in modes and (swept := _a_sweep(overrides)) and not _chooses_multirun(overrides):
+        return f"{swept} lists several values: add -m to sweep them (python train.py -m ...), or give it one value"
     parser, parsed = OverridesParser.create(), []
     for arg in overrides:
         try:
