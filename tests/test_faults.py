@@ -933,6 +933,16 @@ def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args
     assert list(tmp_path.iterdir()) == []  # refused before Hydra made a run or sweep dir
 
 
+@pytest.mark.parametrize(
+    "sweeps", [["-m"], ["hydra.mode=MULTIRUN"], ["cluster=local_tasks"], ["hparams_search=optuna"]]
+)
+def test_a_sweep_override_is_left_to_hydra_where_the_command_line_sweeps(sweeps):
+    from src.config.cli import problem
+
+    assert problem([*sweeps, "seed=1,2"]) is None
+    assert problem(["seed=1,2"]).startswith("seed=1,2 lists several values")
+
+
 def test_a_command_line_refused_before_hydra_answers_without_importing_torch():
     """The line comes in well under a second: torch (~1.5 s of imports) is not loaded to say it."""
     code = (

@@ -60,10 +60,12 @@ def _a_sweep(argv: list[str]) -> str | None:
 
 
 def _chooses_multirun(overrides: list[str]) -> bool:
-    """Whether a group option named on the command line sets `hydra.mode: MULTIRUN` (cluster=slurm, an Optuna
+    """Whether the command line sets `hydra.mode: MULTIRUN`, itself or by a group option (cluster=slurm, an Optuna
     search), which sweeps without -m."""
     for arg in overrides:
         group, _, option = arg.lstrip("+").partition("=")
+        if group == "hydra.mode" and option == "MULTIRUN":
+            return True
         path = CONF / group / f"{option}.yaml"
         if "/" not in group and path.is_file() and re.search(r"^\s+mode:\s*MULTIRUN\b", path.read_text(), re.M):
             return True
