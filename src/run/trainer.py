@@ -120,7 +120,8 @@ def room_for_another_graph_pool() -> bool:
     reserve up to twice this run's device memory: keep them only where that fits."""
     if not torch.cuda.is_available():
         return True
-    return 2 * torch.cuda.max_memory_reserved() <= 0.9 * torch.cuda.get_device_properties(0).total_memory
+    device = torch.cuda.current_device()
+    return 2 * torch.cuda.max_memory_reserved(device) <= 0.9 * torch.cuda.get_device_properties(device).total_memory
 
 
 def forget_compiled() -> None:
