@@ -934,7 +934,8 @@ def test_misspelt_keys_and_options_are_one_line_with_a_suggestion(tmp_path, args
 
 
 @pytest.mark.parametrize(
-    "sweeps", [["-m"], ["hydra.mode=MULTIRUN"], ["cluster=local_tasks"], ["hparams_search=optuna"]]
+    "sweeps",
+    [["-m"], ["hydra.mode=MULTIRUN"], ["cluster=local_tasks"], ["cluster=slurm_2nodes"], ["hparams_search=optuna"]],
 )
 def test_a_sweep_override_is_left_to_hydra_where_the_command_line_sweeps(sweeps):
     from src.config.cli import problem

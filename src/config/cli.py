@@ -5,7 +5,6 @@ misspelt key, `+key=value`, would add the typo as a new key.)"""
 from __future__ import annotations
 
 import difflib
-import re
 from pathlib import Path
 
 from src.config.renamed import RENAMED_OPTIONS
@@ -61,15 +60,16 @@ def _a_sweep(argv: list[str]) -> str | None:
 
 def _chooses_multirun(overrides: list[str]) -> bool:
     """Whether the command line sets `hydra.mode: MULTIRUN`, itself or by a group option (cluster=slurm, an Optuna
-    search), which sweeps without -m."""
-    for arg in overrides:
-        group, _, option = arg.lstrip("+").partition("=")
-        if group == "hydra.mode" and option == "MULTIRUN":
-            return True
-        path = CONF / group / f"{option}.yaml"
-        if "/" not in group and path.is_file() and re.search(r"^\s+mode:\s*MULTIRUN\b", path.read_text(), re.M):
-            return True
-    return False
+    search), which sweeps without -m. Unknown (the rest does not compose): left to Hydra, as if it did."""
+    from hydra import compose, initialize_config_dir
+
+    one_each = [arg for arg in overrides if arg != _a_sweep([arg])]
+    try:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=one_each, return_hydra_config=True)
+    except Exception:  # the checks below or Hydra say what is wrong
+        return True
+    return str(cfg.hydra.mode).endswith("MULTIRUN")
 
 
 def problem(argv: list[str]) -> str | None:
