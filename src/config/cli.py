@@ -42,28 +42,28 @@ def _overrides(argv: list[str]) -> list[str] | None:
     return [arg for arg in argv if not arg.startswith("-")]
 
 
-def _a_sweep(argv: list[str]) -> str | None:
-    """The first override of argv that lists several values (`seed=1,2`, `lr=range(1,3)`), or None."""
+def _sweeps(args: list[str]) -> list[str]:
+    """The overrides among args that list several values (`seed=1,2`, `lr=range(1,3)`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, OverrideParseException
 
-    parser = OverridesParser.create()
-    for arg in argv:
+    parser, swept = OverridesParser.create(), []
+    for arg in args:
         if "=" in arg and not arg.startswith("-"):
             try:
                 if parser.parse_override(arg).is_sweep_override():
-                    return arg
+                    swept.append(arg)
             except (OverrideParseException, HydraException):
                 continue
-    return None
+    return swept
 
 
-def _chooses_multirun(overrides: list[str]) -> bool:
-    """Whether the command line sets `hydra.mode: MULTIRUN`, itself or by a group option (cluster=slurm, an Optuna
-    search), which sweeps without -m. Unknown (the rest does not compose): left to Hydra, as if it did."""
+def _chooses_multirun(one_each: list[str]) -> bool:
+    """Whether the command line's overrides of one value each set `hydra.mode: MULTIRUN`, themselves or by a group
+    option (cluster=slurm, an Optuna search), which sweeps without -m. Unknown (they do not compose): left to Hydra,
+    as if they did."""
     from hydra import compose, initialize_config_dir
 
-    one_each = [arg for arg in overrides if arg != _a_sweep([arg])]
     try:
         with initialize_config_dir(str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=one_each, return_hydra_config=True)
@@ -77,17 +77,18 @@ def problem(argv: list[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, OverrideParseException
 
-    modes = list(dict.fromkeys(HYDRA_MODES[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in HYDRA_MODES))
+    flags = [arg.split("=", 1)[0] for arg in argv if arg.startswith("-")]
+    modes = list(dict.fromkeys(HYDRA_MODES[flag] for flag in flags if flag in HYDRA_MODES))
     if len(modes) > 1:
         return f"{modes[0]} and {modes[1]} ask Hydra for two things at once; keep one of them"
-    shown = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in {"--help", "-h", "--cfg", "-c"}]
-    if shown and (swept := _a_sweep(argv)):
-        return f"{shown[0]} shows one config, and {swept} is a sweep of several; give it one value to see that config"
+    shown = [flag for flag in flags if flag in {"--help", "-h", "--cfg", "-c"}]
+    if shown and (swept := _sweeps(argv)):
+        return (
+            f"{shown[0]} shows one config, and {swept[0]} is a sweep of several; give it one value to see that config"
+        )
     overrides = _overrides(argv)
     if not overrides:
         return None
-    if "--multirun" not in modes and (swept := _a_sweep(overrides)) and not _chooses_multirun(overrides):
-        return f"{swept} lists several values: add -m to sweep them (python train.py -m ...), or give it one value"
     parser, parsed = OverridesParser.create(), []
     for arg in overrides:
         try:
@@ -98,6 +99,9 @@ def problem(argv: list[str]) -> str | None:
                 f"cannot read the override {arg!r} ({said}); put a value with spaces or special characters in "
                 f"quotes for Hydra, inside quotes for the shell: \"key='a value'\""
             )
+    swept = [arg for arg, o in zip(overrides, parsed) if o.is_sweep_override()]
+    if swept and "--multirun" not in modes and not _chooses_multirun([a for a in overrides if a not in swept]):
+        return f"{swept[0]} lists several values: add -m to sweep them (python train.py -m ...), or give it one value"
     groups = {p.name: p for p in CONF.iterdir() if p.is_dir()}
     for o in parsed:
         key = o.key_or_group

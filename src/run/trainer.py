@@ -97,7 +97,7 @@ def train(cfg: DictConfig, plan: RunPlan | None = None, keep_compiled: bool = Fa
                 _kept_graphs["of"] = compiled_as
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # what this run's tensors left in the allocator's cache
-            elif compiled_as is not None or _kept_graphs["of"] is not None:
+            elif compiled_as is not None:  # (a run without compile has forgotten kept graphs at its start)
                 forget_compiled()
 
 
