@@ -182,6 +182,20 @@ def test_the_next_seed_in_one_process_reuses_the_compiled_graphs_and_gets_a_fres
     assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *compiled)
 
 
+def test_where_a_second_graph_pool_would_not_fit_the_next_seed_compiles_afresh(cfg_factory, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    import src.run.trainer as trainer
+
+    monkeypatch.setattr(trainer, "room_for_another_graph_pool", lambda: False)  # as on a nearly full GPU
+    compiled = ("trainer.compile=true", "trainer.max_epochs=1", "trainer.limit_train_batches=2")
+    train(cfg_factory(*compiled, "seed=1", sub="1"), keep_compiled=True)
+    before = counters["stats"]["unique_graphs"]
+    train(cfg_factory(*compiled, "seed=2", sub="2"), keep_compiled=True)
+    assert counters["stats"]["unique_graphs"] > before, "the seed-2 run reused graphs that had no room to be kept"
+    forget_compiled()
+
+
 def test_accumulation_equals_one_big_batch(tmp_path, cfg_factory):
     common = ("model.batch_norm=false", "scheduler=constant", "trainer.max_epochs=1", "data.batch_size=64")
     train(cfg_factory(*common, sub="a"))
