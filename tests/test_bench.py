@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from src.data.loader_plan import dali_installed
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.data.test_decode import write_tree
 
 BENCH = [sys.executable, str(ROOT / "bench" / "bench.py")]
@@ -671,6 +671,10 @@ def test_fsdp_step_graph_check_without_out_is_one_line():
         ("bench.py", ["--list", "--timeout", "nan"], "--timeout"),
         ("fsdp_step_graph.py", ["--gpus", "0"], "--gpus"),
         ("fsdp_step_graph.py", ["--timeout", "0"], "--timeout"),
+        ("recipe_search.py", ["a:", "--seeds", "2,-1"], "--seeds"),
+        ("recipe_search.py", ["a:", "--base", "x='y"], "--base"),
+        ("recipe_search.py", ["../a: x=1"], "recipes"),
+        ("recipe_search.py", ["no colon"], "recipes"),
     ],
 )
 def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wrong):
@@ -679,6 +683,36 @@ def test_a_bench_scripts_wrong_argument_is_one_line_naming_it(script, args, wron
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: argument {wrong}: invalid")
+
+
+@pytest.mark.slow
+def test_recipe_search_runs_each_recipes_seeds_side_by_side_as_each_would_run_alone(tmp_path):
+    search = [sys.executable, "bench/recipe_search.py", "--gpus", "1", "--per-gpu", "3", "--seeds", "1,2"]
+    out = tmp_path / "search 'q' $(x)"  # a folder name Hydra and the shell would both misread unquoted
+    search += ["--base", "debug=fast trainer.max_epochs=1", "--out", str(out)]
+    recipes = ["base:", "lr: optim.lr=0.05", "bad: trainer.max_epochs=0"]
+    proc = subprocess.run([*search, *recipes], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    summary = {s["name"]: s for s in json.loads((out / "summary.json").read_text())}
+    for name in ("base", "lr"):
+        written = [json.loads((out / name / f"seed{seed}" / "metrics.json").read_text()) for seed in (1, 2)]
+        finals = [m["final"]["test_top1"] for m in written]
+        assert [r["final_top1"] for r in summary[name]["runs"]] == finals and summary[name]["ok"]
+        assert summary[name]["final_top1_mean"] == pytest.approx(sum(finals) / 2)
+    alone = run_cli(
+        "debug=fast", "trainer.max_epochs=1", "seed=2", "optim.lr=0.05", f"hydra.run.dir={tmp_path / 'alone'}"
+    )
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    alone_top1 = json.loads((tmp_path / "alone" / "metrics.json").read_text())["final"]["test_top1"]
+    assert summary["lr"]["runs"][1]["final_top1"] == alone_top1  # sharing the machine changes no number
+    said = [line for line in proc.stdout.splitlines() if line.startswith("bad ")]
+    assert not summary["bad"]["ok"] and len(said) == 1 and "trainer.max_epochs must be a positive integer" in said[0]
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    again = subprocess.run([*search, "other:"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(
+        "is not an empty folder: give a new one"
+    )
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
 def test_profile_loop_counts_each_cuda_graph_recording_once():
