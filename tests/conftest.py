@@ -131,7 +131,8 @@ def assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *overrides: str
     equal seed 2's compiled afresh. Returns both seed-2 runs' final metrics (reused, fresh)."""
     from torch._dynamo.utils import counters
 
-    from src.run.trainer import forget_compiled, train
+    from src.run.between_runs import forget_compiled
+    from src.run.trainer import train
 
     train(cfg_factory(*overrides, "seed=1", sub="1"), keep_compiled=True)
     before = counters["stats"]["unique_graphs"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from src.config.commands import train_command
@@ -27,6 +26,7 @@ from src.distributed import RankEnv, destroy_process_group, init_process_group, 
 from src.models import build_model, head_names, new_head_line, refuse_fit_from_disk
 from src.reporting.efficiency import memory_stats, out_of_memory_line, peak_flops, reset_peak, train_step_flops
 from src.reporting.results import Reporter
+from src.run.between_runs import after_run, graphs_for, process_settings_restored
 from src.run.evaluate import evaluate
 from src.run.loss import build_loss_terms
 from src.run.meter import CropProbe, EpochMeter, StepLog
@@ -75,11 +75,7 @@ def train(cfg: DictConfig, plan: RunPlan | None = None, keep_compiled: bool = Fa
     """Train (or evaluate, with train=false) as configured; return the final metrics on every rank. `plan`: the
     one src/run/launch.py made for this process, if any. `keep_compiled`: another run may follow in this process
     (a local multirun), which reuses this run's compiled graphs if its config differs only in the seed."""
-    compiled_as = compile_key(cfg)
-    if _kept_graphs["of"] not in (None, compiled_as):
-        forget_compiled()
-    elif _kept_graphs["of"] is not None:
-        log.info("torch.compile: this job reuses the previous job's compiled graphs (the configs differ only in seed)")
+    compiled_as = graphs_for(cfg)
     finished = False
     with process_settings_restored():
         run = prepare_run(cfg, plan)
@@ -93,42 +89,7 @@ def train(cfg: DictConfig, plan: RunPlan | None = None, keep_compiled: bool = Fa
             run.close()
             del run  # with the strategy's model gone, nothing holds the group: destroying it frees it now
             destroy_process_group()
-            if compiled_as is not None and finished and keep_compiled and room_for_another_graph_pool():
-                _kept_graphs["of"] = compiled_as
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # what this run's tensors left in the allocator's cache
-            elif compiled_as is not None:  # (a run without compile has forgotten kept graphs at its start)
-                forget_compiled()
-
-
-# the config (less its seed) of the last run whose compiled graphs this process keeps, or None
-_kept_graphs: dict[str, str | None] = {"of": None}
-
-
-def compile_key(cfg: DictConfig) -> str | None:
-    """What decides a compiled run's graphs: its config as written, less the seed and the paths that name it."""
-    if not cfg.trainer.compile:
-        return None
-    written = OmegaConf.to_container(cfg, resolve=False)
-    for name in ("seed", "paths"):
-        written.pop(name, None)
-    return json.dumps(written, sort_keys=True, default=str)
-
-
-def room_for_another_graph_pool() -> bool:
-    """Kept graphs hold their CUDA-graph memory pool while the next run records its own, so the next run may
-    reserve up to twice this run's device memory: keep them only where that fits."""
-    if not torch.cuda.is_available():
-        return True
-    device = torch.cuda.current_device()
-    return 2 * torch.cuda.max_memory_reserved(device) <= 0.9 * torch.cuda.get_device_properties(device).total_memory
-
-
-def forget_compiled() -> None:
-    """The next run compiles afresh, as its own process would. Graphs kept for other configs would count toward
-    recompile_limit, after which functions run eagerly, and their CUDA-graph pools would stay held."""
-    torch._dynamo.reset()
-    _kept_graphs["of"] = None
+            after_run(compiled_as, keep=finished and keep_compiled)
 
 
 def cudnn_autotune(t, strategy) -> bool:
@@ -136,21 +97,6 @@ def cudnn_autotune(t, strategy) -> bool:
     trainer.cudnn_benchmark, unless deterministic (its pick may vary run to run) or the strategy cannot keep the
     tuned plans (dp)."""
     return t.cudnn_benchmark and not t.deterministic and strategy.cudnn_benchmark
-
-
-@contextlib.contextmanager
-def process_settings_restored():
-    """A run sets process-wide torch settings (determinism, cuDNN benchmark, TF32, threads); the next run in
-    the same process (a local Hydra multirun, a notebook) starts from the process's own, not this run's."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32, threads = saved
-        torch.set_num_threads(threads)
 
 
 class Trainer:

@@ -20,8 +20,9 @@ from omegaconf import open_dict
 from src.config.errors import ConfigError
 from src.data.datasets import load_data
 from src.models import build_model
+from src.run.between_runs import forget_compiled
 from src.run.launch import main as launch
-from src.run.trainer import forget_compiled, train
+from src.run.trainer import train
 from tests.conftest import (
     CIFAR_JPEG_ZIP,
     ROOT,
@@ -185,9 +186,9 @@ def test_the_next_seed_in_one_process_reuses_the_compiled_graphs_and_gets_a_fres
 def test_where_a_second_graph_pool_would_not_fit_the_next_seed_compiles_afresh(cfg_factory, monkeypatch):
     from torch._dynamo.utils import counters
 
-    import src.run.trainer as trainer
+    import src.run.between_runs as between_runs
 
-    monkeypatch.setattr(trainer, "room_for_another_graph_pool", lambda: False)  # as on a nearly full GPU
+    monkeypatch.setattr(between_runs, "room_for_another_graph_pool", lambda: False)  # as on a nearly full GPU
     compiled = ("trainer.compile=true", "trainer.max_epochs=1", "trainer.limit_train_batches=2")
     train(cfg_factory(*compiled, "seed=1", sub="1"), keep_compiled=True)
     before = counters["stats"]["unique_graphs"]
