@@ -677,7 +677,7 @@ def refused_data(args) -> str | None:
     if not (args.data_root or args.shards):  # synthetic data: nothing to read, nothing to import
         return None
     from src.config.errors import ConfigError
-    from src.data.datasets import check_imagefolder
+    from src.data.image_folder import check_imagefolder
     from src.data.shards import read_meta
 
     for option, path, check in (

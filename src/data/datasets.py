@@ -27,12 +27,11 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.commands import module_command, train_command
 from src.config.errors import ConfigError
-from src.config.renamed import RENAMED_VALUES
+from src.config.renamed import RENAMED_VALUES, moved
 from src.config.schema import Fraction, Positive, PositiveReal, Range, check_value, declared, refuse_lookalikes
 from src.data.augment import AugmentOptions, check_crop_flip_options, normalize, normalize_table
-from src.data.decode import EncodedImages, FileImages, decode_file, unreadable
+from src.data.decode import EncodedImages
 from src.data.loader_plan import LoaderOptions
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ CIFAR_STATS = {
 }
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 SPLIT_SEED = 0  # the val/test carve-out is fixed, so runs with different seeds share their test set
-CACHE_VERSION = 3  # hashed into every decode-cache key: bump it when decoding changes
 
 
 # --- the data config: each group of options declared beside the code that reads it ----------------------------
@@ -96,8 +94,12 @@ def _check_keys(cfg: DictConfig, builder: Callable, known: list[str]) -> None:
 
 
 def _take_renamed_values(cfg: DictConfig) -> None:
-    """An old value (data.loader=gpu) is taken under its new name, with a one-line warning, and set in the config
-    so that the run records, and its ranks read, the new one."""
+    """An old value (data.loader=gpu, a builder's old place in data._target_) is taken under its new name, with a
+    one-line warning, and set in the config so that the run records, and its ranks read, the new one."""
+    target = cfg.get("_target_")
+    if isinstance(target, str) and moved(target) != target:
+        log.warning("data._target_=%s has moved to %s", target, moved(target))
+        cfg._target_ = moved(target)
     for key, renamed in RENAMED_VALUES.get("data", {}).items():
         old = cfg.get(key)
         if isinstance(old, str) and old in renamed:
@@ -110,7 +112,8 @@ def builder_of(cfg: DictConfig) -> Callable[[DictConfig], DataBundle]:
     target = cfg.get("_target_")
     if not isinstance(target, str) or not target:
         raise ConfigError(
-            "data._target_ is not set; a data YAML names its builder, e.g. _target_: src.data.datasets.load_imagefolder"
+            "data._target_ is not set; a data YAML names its builder, "
+            "e.g. _target_: src.data.image_folder.load_imagefolder"
         )
     hydra_log = logging.getLogger("hydra.utils")  # get_method logs a failure over three lines, then raises it
     was_disabled, hydra_log.disabled = hydra_log.disabled, True
@@ -130,10 +133,10 @@ def check_data_config(cfg: DictConfig) -> None:
     missing = [key for key in cfg if OmegaConf.is_missing(cfg, key)]
     if missing:
         raise ConfigError(f"data.{missing[0]} must be set for data={cfg.get('name')}, e.g. data.{missing[0]}=...")
+    _take_renamed_values(cfg)
     builder = builder_of(cfg)
     if not isinstance(cfg.get("name"), str):
         raise ConfigError(f"data.name must be a string (the dataset's label in reports), got {cfg.get('name')!r}")
-    _take_renamed_values(cfg)
     specs = (SplitOptions, AugmentOptions, LoaderOptions, DatasetOptions)
     hints = {key: hint for spec in specs for key, hint in declared(spec).items()}
     _check_keys(cfg, builder, list(hints))
@@ -269,7 +272,7 @@ def carve_val(train: Split, fraction: float) -> tuple[Split, Split]:
     return _subset(train, keep), _subset(train, held)
 
 
-def _channel_stats(images: torch.Tensor):
+def channel_stats(images: torch.Tensor):
     x = images.double() / 255
     return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
 
@@ -287,7 +290,7 @@ def load_digits_data(cfg: DictConfig) -> DataBundle:
     train_idx, test_idx = stratified_split(labels, cfg.get("test_fraction", 0.2), "data.test_fraction")
     full = Split(labels, images=images)
     train, val = carve_val(_subset(full, train_idx), cfg.val_fraction)
-    mean, std = _channel_stats(train.images)
+    mean, std = channel_stats(train.images)
     return DataBundle(
         cfg.name,
         train,
@@ -378,179 +381,12 @@ def load_synthetic(cfg: DictConfig) -> DataBundle:
 # --- ImageFolder ---------------------------------------------------------------------------------
 
 
-def _check_folder(path: Path) -> None:
-    if not path.is_dir():
-        raise ConfigError(f"data.root: {path} does not exist; set data.root to a folder with train/ and val/ or test/")
-    if not any(p.is_dir() for p in path.iterdir()):
-        raise ConfigError(f"{path} has no class folders; expected {path}/<class>/<image> (ImageFolder layout)")
-
-
-def _image_folder(folder: Path, transform=None):
-    import torchvision
-
-    ds = torchvision.datasets.ImageFolder(str(folder), transform=transform, loader=decode_file, allow_empty=True)
-    empty = sorted(set(ds.classes) - {ds.classes[t] for t in ds.targets})
-    if empty:  # torchvision's own error is a FileNotFoundError traceback
-        raise ConfigError(
-            f"{folder}: class folder(s) {', '.join(empty[:5])} hold no images (.jpg, .png, ...); "
-            f"add images or remove the folder(s)"
-        )
-    return ds
-
-
-def _decode_folder(ds, size: int | None) -> torch.Tensor:
-    from PIL import Image
-
-    images = []
-    for path, _ in ds.samples:
-        img = decode_file(path).permute(1, 2, 0).numpy()  # the decoding of every other path (src/data/decode.py)
-        if size is not None and img.shape[:2] != (size, size):
-            img = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR))
-        images.append(img)
-    shapes = {a.shape for a in images}
-    if len(shapes) > 1:
-        raise ConfigError(f"{ds.root}: images differ in size {sorted(shapes)[:3]}...; set data.image_size")
-    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
-
-
-def _cache_key(folder: Path, samples: list, size: int | None) -> str:
-    """A hash of everything the decoded array depends on: each file's path, label, size, mtime and inode."""
-    h = hashlib.sha256(f"v{CACHE_VERSION} size={size}\n".encode())
-    for path, label in samples:
-        try:
-            st = os.stat(path)
-        except OSError as exc:  # e.g. a broken symlink
-            raise unreadable(path, exc) from None
-        # the inode too: renaming folders (two classes swapped) keeps every file's name, size and mtime
-        h.update(f"{os.path.relpath(path, folder)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
-    return h.hexdigest()[:24]
-
-
-def _read_cache(cache: Path, count: int) -> torch.Tensor | None:
-    """The cached images, or None (with a warning) when the file is truncated, corrupt or not ours."""
-    try:
-        images = torch.load(cache, weights_only=True)["images"]
-        if (
-            isinstance(images, torch.Tensor)
-            and images.dtype == torch.uint8
-            and images.dim() == 4
-            and len(images) == count
-        ):
-            return images
-        why = "unexpected contents"
-    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    log.warning("decode cache %s is unreadable (%s); decoding the images again", cache, why)
-    return None
-
-
-def _cached_decode(folder: Path, ds, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode once; keep the uint8 array next to the data, named by a hash of the files it came from,
-    so any change to them (added, removed, edited, relabelled) decodes again."""
-    stem = f"{folder.name}-{size or 'native'}"
-    cache = folder.parent / ".ddplab-cache" / f"{stem}-{_cache_key(folder, ds.samples, size)}.pt"
-    labels = torch.tensor(ds.targets, dtype=torch.long)  # always from the folders, never from the cache
-    images = _read_cache(cache, len(labels)) if cache.exists() else None
-    if images is not None:
-        return images, labels
-    log.info("decoding %d images of %s (cached in %s)", len(labels), folder, cache.parent)
-    images = _decode_folder(ds, size)
-    try:
-        cache.parent.mkdir(exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"images": images, "labels": labels}, tmp)
-        os.replace(tmp, cache)
-        for stale in cache.parent.glob(f"{stem}-*.pt"):  # earlier versions of this split: never read again
-            if stale != cache:
-                stale.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("could not cache decoded images at %s (%s)", cache, exc)
-    return images, labels
-
-
-def check_imagefolder(root: Path) -> list[Path]:
-    """An ImageFolder root's layout checked, no image read: train/ and val/ or test/, each with class folders.
-    Returns its evaluation folders."""
-    _check_folder(root)
-    _check_folder(root / "train")
-    evals = [root / name for name in ("val", "test") if (root / name).is_dir()]
-    if not evals:
-        raise ConfigError(f"{root} has train/ but neither val/ nor test/; add one of them")
-    for folder in evals:
-        _check_folder(folder)
-    return evals
-
-
-def load_imagefolder(cfg: DictConfig) -> DataBundle:
-    root = Path(str(cfg.root))
-    evals = check_imagefolder(root)
-    base = {f.name: _image_folder(f) for f in [root / "train", *evals]}
-    classes = base["train"].classes
-    for name, ds in base.items():
-        if ds.classes != classes:
-            raise ConfigError(
-                f"{root}/{name} has classes {ds.classes[:5]}... but train/ has {classes[:5]}...; "
-                f"every split needs the same class folders"
-            )
-    size = cfg.image_size
-    h, w = (size, size) if size else decode_file(base["train"].samples[0][0]).shape[1:]
-    augment = _resolve_augment(cfg.augment, h, w)
-    n_total = sum(len(ds) for ds in base.values())
-    if n_total * 3 * h * w > cfg.max_memory_gb * 2**30 or augment == "random_resized_crop":
-        files = {
-            name: FileImages([path for path, _ in ds.samples], torch.tensor(ds.targets, dtype=torch.long))
-            for name, ds in base.items()
-        }
-        _suggest_packing(root, [path for path, _ in base["train"].samples], max(h, w))
-        return disk_bundle(cfg, files, classes, (h, w), augment)
-    splits = {}
-    for name, ds in base.items():
-        images, labels = _cached_decode(root / name, ds, size)
-        splits[name] = Split(labels, images=images)
-    train, val, test = _train_val_test(splits, cfg.val_fraction)
-    mean, std = _channel_stats(train.images[:: max(1, len(train) // 5000)])
-    return DataBundle(cfg.name, train, val, test, len(classes), 3, (h, w), mean, std, augment, classes)
-
-
-PACK_SIDE = 256  # the shorter side `shards pack --max-side` re-encodes to for crops up to 224 px
-
-
-def _suggest_packing(root: Path, train: list[str], crop: int, sample: int = 16) -> None:
-    """Images read from disk are decoded every epoch, at a cost that grows with their pixels: where a folder's
-    images are much larger than the crops need, one line says how to pack them smaller (a core decodes 256-px
-    JPEGs ~2.8x faster than ~375-px ones)."""
-    from PIL import Image
-
-    if crop > 224 or not train:
-        return
-    sides = []
-    for path in train[:: max(1, len(train) // sample)][:sample]:
-        try:
-            with Image.open(path) as img:  # the header only
-                sides.append(min(img.size))
-        except Exception:  # an unreadable file is the loader's to report
-            continue
-    side = sorted(sides)[len(sides) // 2] if sides else 0  # the median
-    if side <= 1.25 * PACK_SIDE:
-        return
-    packed = f"{root}-shards{PACK_SIDE}"
-    log.info(
-        "%s holds images of ~%d px on the shorter side, decoded every epoch; packed to %d px they decode ~2.8x "
-        "faster: %s, then %s",
-        root,
-        side,
-        PACK_SIDE,
-        module_command("src.data.shards", "pack", root, packed, "--max-side", PACK_SIDE),
-        train_command(("data", "shards"), ("data.root", packed)),
-    )
-
-
-def _resolve_augment(augment: str, h: int, w: int) -> str:
+def resolve_augment(augment: str, h: int, w: int) -> str:
     """data.augment=auto: crop_flip for small (CIFAR-like) images, random resized crops for larger ones."""
     return augment if augment != "auto" else ("crop_flip" if max(h, w) <= 64 else "random_resized_crop")
 
 
-def _train_val_test(splits: dict[str, Split], val_fraction: float) -> tuple[Split, Split, Split]:
+def train_val_test(splits: dict[str, Split], val_fraction: float) -> tuple[Split, Split, Split]:
     """train/ with val/ and test/, or a validation share carved from train when one of them is missing."""
     if "val" in splits and "test" in splits:
         return splits["train"], splits["val"], splits["test"]
@@ -565,7 +401,7 @@ def disk_bundle(
     is decoded by the loader, cropped to `size` (random resized crops when training with random_resized_crop,
     else resize + centre crop) and normalized with ImageNet's statistics."""
     splits = {name: Split(f.labels, files=f) for name, f in files.items()}
-    train, val, test = _train_val_test(splits, cfg.val_fraction)
+    train, val, test = train_val_test(splits, cfg.val_fraction)
     mean, std = IMAGENET_STATS
     return DataBundle(
         cfg.name,
@@ -577,7 +413,7 @@ def disk_bundle(
         tuple(size),
         mean,
         std,
-        _resolve_augment(augment, *size),
+        resolve_augment(augment, *size),
         list(classes),
     )
 

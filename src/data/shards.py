@@ -246,9 +246,9 @@ def pack_split(
     folder: Path, out: Path, name: str, max_side: int | None, shard_bytes: int, quality: int, workers: int
 ) -> dict:
     """Write one split's shards, index and names; returns its meta.json entry."""
-    from src.data.datasets import _image_folder
+    from src.data.image_folder import image_folder
 
-    ds = _image_folder(folder)
+    ds = image_folder(folder)
     jobs = [(path, max_side, quality) for path, _ in ds.samples]
     shard, offset, length, shards = [], [], [], []
     current, written = None, 0
@@ -308,9 +308,9 @@ def pack(
     quality: int = 90,
     workers: int | None = None,
 ) -> dict:
-    from src.data.datasets import _check_folder
+    from src.data.image_folder import check_folder
 
-    _check_folder(root)
+    check_folder(root)
     splits = [name for name in SPLITS if (root / name).is_dir()]
     if "train" not in splits or len(splits) < 2:
         raise ConfigError(f"{root}: expected train/ and val/ or test/ class folders (ImageFolder layout)")

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.config.commands import train_command
 from src.config.errors import ConfigError
-from src.config.renamed import RENAMED_VALUES
+from src.config.renamed import RENAMED_VALUES, moved
 from src.state.checkpoint import Unreadable, find, load
 
 # Keys (or whole groups) a resumed run may change: where and how it runs, never what it computes. The
@@ -61,14 +61,6 @@ CHANGES_RECORDED_NUMBERS = (
 )
 
 
-# `_target_`s of checkpoints written before src/ was split into packages
-MOVED_TARGETS = {
-    "src.datasets.": "src.data.datasets.",
-    "src.optim.": "src.run.optim.",
-    "src.loggers.": "src.reporting.loggers.",
-}
-
-
 def current_config(saved: dict | None) -> dict | None:
     """A saved config as this code names things: moved `_target_`s and renamed values (RENAMED_VALUES)."""
     tree = _current_targets(saved)
@@ -83,17 +75,10 @@ def current_config(saved: dict | None) -> dict | None:
 def _current_targets(tree):
     """A saved config with every moved `_target_` renamed to where that code lives now."""
     if isinstance(tree, dict):
-        return {k: _moved(v) if k == "_target_" else _current_targets(v) for k, v in tree.items()}
+        return {k: moved(v) if k == "_target_" and isinstance(v, str) else _current_targets(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_current_targets(v) for v in tree]
     return tree
-
-
-def _moved(target):
-    for old, new in MOVED_TARGETS.items():
-        if isinstance(target, str) and target.startswith(old):
-            return new + target[len(old) :]
-    return target
 
 
 def run_metrics(run_dir: Path) -> dict | None:

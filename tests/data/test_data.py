@@ -16,8 +16,9 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf, open_dict
 
 from src.config.errors import ConfigError
-from src.data import datasets, shards
+from src.data import datasets, image_folder, shards
 from src.data.datasets import DataBundle, Split, carve_val, check_data_config, load_data, stratified_split
+from src.state.resume import current_config
 from tests.conftest import ROOT, make_cfg, read_metrics, run_cli
 
 DATA_OPTIONS = ("digits", "cifar10", "cifar100", "imagefolder", "shards", "synthetic")
@@ -142,7 +143,7 @@ BUILDERS = {
     "digits": datasets.load_digits_data,
     "cifar10": datasets.load_cifar10,
     "cifar100": datasets.load_cifar100,
-    "imagefolder": datasets.load_imagefolder,
+    "imagefolder": image_folder.load_imagefolder,
     "shards": shards.load_shards,
     "synthetic": datasets.load_synthetic,
 }
@@ -270,13 +271,13 @@ def _reference(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def decodes(monkeypatch):
     """Counts the folders actually decoded (cache misses)."""
     calls = []
-    real = datasets._decode_folder
+    real = image_folder._decode_folder
 
     def counting(ds, size):
         calls.append(ds.root)
         return real(ds, size)
 
-    monkeypatch.setattr(datasets, "_decode_folder", counting)
+    monkeypatch.setattr(image_folder, "_decode_folder", counting)
     return calls
 
 
@@ -327,6 +328,19 @@ def test_touching_or_rewriting_one_image_decodes_again(tmp_path, decodes):
     assert len(decodes) == 5  # unchanged files: served from the cache
 
 
+@pytest.mark.parametrize("old", ["src.data.datasets.load_imagefolder", "src.datasets.load_imagefolder"])
+def test_a_data_yaml_naming_the_imagefolder_builders_old_place_loads_with_a_warning(tmp_path, caplog, old):
+    root = tmp_path / "tree"
+    _write_tree(root)
+    with caplog.at_level("WARNING", logger="src.data.datasets"):
+        data = _load(tmp_path, root, f"data._target_={old}")
+    _assert_matches_files(data, root)
+    new = "src.data.image_folder.load_imagefolder"
+    assert [r.getMessage() for r in caplog.records] == [f"data._target_={old} has moved to {new}"]
+    saved = {"data": {"_target_": old, "root": str(root)}, "model": {"_target_": "src.models.TinyCNN"}}
+    assert current_config(saved) == {"data": {"_target_": new, "root": str(root)}, "model": saved["model"]}
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_damaged_cache_file_is_decoded_again_with_a_warning(tmp_path, decodes, caplog, damage):
     root = tmp_path / "tree"
@@ -335,7 +349,7 @@ def test_a_damaged_cache_file_is_decoded_again_with_a_warning(tmp_path, decodes,
     (cache,) = (root / ".ddplab-cache").glob("test-*.pt")
     blob = cache.read_bytes()
     cache.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"not a cache file")
-    with caplog.at_level("WARNING", logger="src.data.datasets"):
+    with caplog.at_level("WARNING", logger="src.data.image_folder"):
         data = _load(tmp_path, root)
     _assert_matches_files(data, root)
     assert decodes[3:] == [str(root / "test")]

@@ -30,7 +30,7 @@ def _folder(root: Path, side: int) -> None:
 
 def _said(tmp_path: Path, root: Path, caplog) -> list[str]:
     caplog.clear()
-    caplog.set_level(logging.INFO, logger="src.data.datasets")
+    caplog.set_level(logging.INFO, logger="src.data.image_folder")
     overrides = ["data=imagefolder", f"data.root={hydra_value(root)}", "data.image_size=32", "data.val_fraction=0.5"]
     overrides.append("data.augment=random_resized_crop")
     load_data(make_cfg(tmp_path / "cfg", *overrides).data)
