@@ -7,6 +7,7 @@ submitit. All of them end with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MA
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import subprocess
@@ -156,6 +157,19 @@ def destroy_process_group() -> None:
             # CUDA graphs that hold collectives (fsdp's in-graph route) hang the group's destruction (torch#115388)
             sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
         dist.destroy_process_group()
+        _meshes_drop_groups()
+
+
+def _meshes_drop_groups() -> None:
+    """A DeviceMesh (fsdp's) holds its process groups, and DTensor's caches hold the mesh past the run, so the
+    group and its gloo threads would live on into Python's shutdown: drop the meshes' references to them."""
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if mesh_module is None:
+        return
+    for obj in gc.get_objects():  # type(), not isinstance(): a dead weakref proxy raises on isinstance
+        if issubclass(type(obj), mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
+    gc.collect()  # a group left only in a reference cycle
 
 
 def is_distributed() -> bool:

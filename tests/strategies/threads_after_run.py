@@ -1,5 +1,6 @@
-"""Run by test_strategies under torchrun: one rank's ddp run through train() with a plan its caller keeps (as
-src/run/launch.py does), then the names of the threads left in its process, written to <dir>/threads_rank<N>.json."""
+"""Run by test_strategies under torchrun: one rank's run (the overrides after <dir>, e.g. strategy=ddp) through train()
+with a plan its caller keeps (as src/run/launch.py does), then the names of the threads left in its process, written
+to <dir>/threads_rank<N>.json."""
 
 import json
 import sys
@@ -11,7 +12,7 @@ from src.run.trainer import train
 from tests.conftest import make_cfg
 
 out = Path(sys.argv[1])
-cfg = make_cfg(out, "strategy=ddp")
+cfg = make_cfg(out, *sys.argv[2:])
 plan = plan_layout(cfg, rank_env())
 train(cfg, plan)
 threads = sorted(task.read_text().strip() for task in Path("/proc/self/task").glob("*/comm"))
