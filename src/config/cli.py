@@ -5,6 +5,7 @@ misspelt key, `+key=value`, would add the typo as a new key.)"""
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 
 from src.config.renamed import RENAMED_OPTIONS
@@ -14,6 +15,10 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "-
 # arguments of a section's _target_ that the code passes itself: never options to suggest
 FILLED_BY_THE_CODE = {"cfg", "num_classes", "in_channels"}
 FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p"}
+UNDER_TORCHRUN = (
+    "a Hydra multirun (-m) under torchrun would run the whole sweep in every rank; "
+    "run `python train.py -m ...` without torchrun (ranks are started per job)"
+)
 # what Hydra is asked to do: one at a time (it says so with a traceback)
 HYDRA_MODES = {
     "-r": "--run",
@@ -81,6 +86,8 @@ def problem(argv: list[str]) -> str | None:
     modes = list(dict.fromkeys(HYDRA_MODES[flag] for flag in flags if flag in HYDRA_MODES))
     if len(modes) > 1:
         return f"{modes[0]} and {modes[1]} ask Hydra for two things at once; keep one of them"
+    if "--multirun" in modes and "TORCHELASTIC_RUN_ID" in os.environ:
+        return UNDER_TORCHRUN
     shown = [flag for flag in flags if flag in {"--help", "-h", "--cfg", "-c"}]
     if shown and (swept := _sweeps(argv)):
         return (

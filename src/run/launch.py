@@ -20,6 +20,7 @@ import uuid
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from src.config.cli import UNDER_TORCHRUN
 from src.config.errors import ConfigError
 from src.distributed import rank_env
 from src.models import preflight as model_preflight
@@ -69,10 +70,7 @@ def main(cfg: DictConfig) -> dict:
     _resolvable(cfg)
     env = rank_env()
     if env.launcher in ("torchelastic", "env") and _hydra_mode() == "MULTIRUN":
-        raise ConfigError(
-            "a Hydra multirun (-m) under torchrun would run the whole sweep in every rank; "
-            "run `python train.py -m ...` without torchrun (ranks are started per job)"
-        )
+        raise ConfigError(UNDER_TORCHRUN)  # a multirun the config chose (cluster=...); train.py refuses -m before
     check_starting_point(cfg)  # before a checkpoint in the run dir is compared with it
     done = already_completed(cfg, _command_line_overrides())
     if done is not None:  # a finished run is immutable: nothing runs, nothing in its dir changes
