@@ -169,11 +169,13 @@ def summarize(args: argparse.Namespace) -> list[dict]:
 
 
 def last_line(log: Path) -> str:
-    lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()] if log.exists() else []
+    lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()]
     return lines[-1].strip() if lines else "no output"
 
 
 def line(s: dict, log: Path) -> str:
+    if not log.exists():
+        return f"{s['name']:<28} not started: --time-limit came first | {s['overrides']}"
     if not s["ok"]:
         done = " ".join(f"{r['final_top1']:.2f}" for r in s["runs"] if r["ok"])
         finished = f" (finished: {done})" if done else ""

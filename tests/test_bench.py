@@ -715,6 +715,18 @@ def test_recipe_search_runs_each_recipes_seeds_side_by_side_as_each_would_run_al
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
+@pytest.mark.slow
+def test_recipe_search_time_limit_stops_the_runs_going_and_starts_no_more(tmp_path):
+    search = [sys.executable, "bench/recipe_search.py", "--gpus", "1", "--per-gpu", "1", "--time-limit", "4"]
+    search += ["--base", "debug=fast trainer.max_epochs=500", "--out", str(tmp_path / "s"), "long:", "next:"]
+    proc = subprocess.run(search, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    long, later = proc.stdout.splitlines()
+    assert long.startswith("long ") and ("signal 15: saved" in long or "stopped by SIGTERM" in long), long
+    assert later.startswith("next ") and "not started: --time-limit came first" in later
+    assert not any(s["ok"] for s in json.loads((tmp_path / "s" / "summary.json").read_text()))
+
+
 def test_profile_loop_counts_each_cuda_graph_recording_once():
     from types import SimpleNamespace as Event  # the key and count of torch.profiler's key_averages()
 
