@@ -76,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # a finished search is never rewritten
         parser.error(f"--out {out} exists and is not an empty folder: give a new one")
+    out.mkdir(parents=True, exist_ok=True)
+    try:  # the search's record, made first: of two searches started into one --out at once, one goes on
+        with open(out / "search.json", "x") as record:
+            json.dump({"argv": sys.argv[1:] if argv is None else list(argv)}, record)
+    except FileExistsError:
+        parser.error(f"another recipe_search writes to --out {out}: give a new one")
     return args
 
 
@@ -101,7 +107,6 @@ def run_all(args: argparse.Namespace) -> None:
 
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     queue = list(args.recipes)
     running = []
     deadline = time.time() + args.time_limit if args.time_limit else float("inf")
