@@ -102,13 +102,15 @@ def command(args: argparse.Namespace, name: str, overrides: list[str]) -> list[s
     ]
 
 
-def run_all(args: argparse.Namespace) -> None:
+def run_all(args: argparse.Namespace) -> dict[str, str]:
+    """Run the recipes, per_gpu at a time on each GPU; return how each ended: "ran", "stopped" (by --time-limit)
+    or "not started"."""
     import torch
 
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     out = Path(args.out)
     queue = list(args.recipes)
-    running = []
+    running, ended = [], {name: "not started" for name, _ in args.recipes}
     deadline = time.time() + args.time_limit if args.time_limit else float("inf")
     slots = [g for g in range(gpus) for _ in range(args.per_gpu)]
     while queue or running:
@@ -120,17 +122,20 @@ def run_all(args: argparse.Namespace) -> None:
             proc = subprocess.Popen(
                 command(args, name, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
             )
-            running.append((gpu, proc))
+            running.append((name, gpu, proc))
+            ended[name] = "ran"
         time.sleep(2)
         if time.time() > deadline:  # stop once: a second SIGTERM could cut a run's checkpoint save short
             queue.clear()
-            for _, proc in running:
+            for name, _, proc in running:
                 proc.terminate()
+                ended[name] = "stopped"
             deadline = float("inf")
-        for gpu, proc in list(running):
-            if proc.poll() is not None:
-                running.remove((gpu, proc))
-                slots.append(gpu)
+        for item in list(running):
+            if item[2].poll() is not None:
+                running.remove(item)
+                slots.append(item[1])
+    return ended
 
 
 def read_run(run_dir: Path, seed: int | None) -> dict:
@@ -151,7 +156,7 @@ def read_run(run_dir: Path, seed: int | None) -> dict:
     }
 
 
-def summarize(args: argparse.Namespace) -> list[dict]:
+def summarize(args: argparse.Namespace, ended: dict[str, str]) -> list[dict]:
     out = Path(args.out)
     summary = []
     for name, overrides in args.recipes:
@@ -164,6 +169,7 @@ def summarize(args: argparse.Namespace) -> list[dict]:
             {
                 "name": name,
                 "overrides": shlex.join(overrides),
+                "ended": ended[name],
                 "ok": all(r["ok"] for r in runs),
                 "final_top1_mean": statistics.fmean(finals) if finals else None,
                 "final_top1_std": statistics.stdev(finals) if len(finals) > 1 else None,
@@ -174,17 +180,18 @@ def summarize(args: argparse.Namespace) -> list[dict]:
 
 
 def last_line(log: Path) -> str:
-    lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()]
+    lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()] if log.exists() else []
     return lines[-1].strip() if lines else "no output"
 
 
 def line(s: dict, log: Path) -> str:
-    if not log.exists():
+    if s["ended"] == "not started":
         return f"{s['name']:<28} not started: --time-limit came first | {s['overrides']}"
     if not s["ok"]:
         done = " ".join(f"{r['final_top1']:.2f}" for r in s["runs"] if r["ok"])
+        how = "stopped by --time-limit" if s["ended"] == "stopped" else "failed"
         finished = f" (finished: {done})" if done else ""
-        return f"{s['name']:<28} stopped or failed{finished}: {last_line(log)} [{log}] | {s['overrides']}"
+        return f"{s['name']:<28} {how}{finished}: {last_line(log)} [{log}] | {s['overrides']}"
     finals = " ".join(f"{r['final_top1']:6.2f}" for r in s["runs"])
     spread = f" ± {s['final_top1_std']:.2f}" if s["final_top1_std"] is not None else ""
     return f"{s['name']:<28} final {s['final_top1_mean']:6.2f}{spread}  runs {finals} | {s['overrides']}"
@@ -192,8 +199,7 @@ def line(s: dict, log: Path) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    run_all(args)
-    summary = summarize(args)
+    summary = summarize(args, run_all(args))
     (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     for s in summary:
         print(line(s, Path(args.out) / f"{s['name']}.log"))
