@@ -42,7 +42,7 @@ def recipe(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(overrides)
 
 
-def overrides(text: str) -> str:
+def shell_words(text: str) -> str:
     shlex.split(text)  # unbalanced quotes: argparse's one-line error now, not a traceback once runs start
     return text
 
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=positive, default=None, help="default: all visible")
     parser.add_argument("--per-gpu", type=positive, default=4, help="concurrent runs per GPU")
     parser.add_argument(
-        "--base", type=overrides, default="experiment=cifar10_94", help="overrides every recipe starts from"
+        "--base", type=shell_words, default="experiment=cifar10_94", help="overrides every recipe starts from"
     )
     parser.add_argument("--seeds", type=seeds, default=None, help="e.g. 2,4,42: each recipe sweeps them in one process")
     parser.add_argument(
@@ -86,20 +86,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def command(args: argparse.Namespace, name: str, overrides: list[str]) -> list[str]:
-    out = Path(args.out).resolve() / name
-    cmd = [sys.executable, str(ROOT / "train.py"), *shlex.split(args.base), *overrides, "trainer.progress_bar=false"]
+    out = hydra_value(Path(args.out).resolve() / name)
+    train = [sys.executable, str(ROOT / "train.py")]
+    rest = [*shlex.split(args.base), *overrides, "trainer.progress_bar=false"]
     if args.seeds is None:
-        return [*cmd, f"hydra.run.dir={hydra_value(out)}"]
+        return [*train, *rest, f"hydra.run.dir={out}"]
     seed_list = ",".join(map(str, args.seeds))
-    return [
-        cmd[0],
-        cmd[1],
-        "-m",
-        *cmd[2:],
-        f"seed={seed_list}",
-        f"hydra.sweep.dir={hydra_value(out)}",
-        "hydra.sweep.subdir=seed${seed}",
-    ]
+    return [*train, "-m", *rest, f"seed={seed_list}", f"hydra.sweep.dir={out}", "hydra.sweep.subdir=seed${seed}"]
 
 
 def run_all(args: argparse.Namespace) -> dict[str, str]:
@@ -131,10 +124,10 @@ def run_all(args: argparse.Namespace) -> dict[str, str]:
                 proc.terminate()
                 ended[name] = "stopped"
             deadline = float("inf")
-        for item in list(running):
-            if item[2].poll() is not None:
-                running.remove(item)
-                slots.append(item[1])
+        for name, gpu, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((name, gpu, proc))
+                slots.append(gpu)
     return ended
 
 
