@@ -47,6 +47,9 @@ class _FileWriter:
         pass
 
 
+FREE_SPACE = "free space or set hydra.run.dir elsewhere"
+
+
 def save_atomic(state: dict, path: Path) -> None:
     """Write `state` to `path` so that readers see the old file or the new one, never half of one. On failure
     the temp file is removed; an OS error (full disk, read-only or missing directory) is a one-line ConfigError."""
@@ -66,9 +69,7 @@ def save_atomic(state: dict, path: Path) -> None:
         with contextlib.suppress(OSError):  # e.g. ENOTDIR: there was no temp file to remove
             tmp.unlink()
         if isinstance(exc, OSError):
-            raise ConfigError(
-                f"cannot write checkpoint {path}: {exc.strerror or exc}; free space or set hydra.run.dir elsewhere"
-            ) from exc
+            raise ConfigError(f"cannot write checkpoint {path}: {exc.strerror or exc}; {FREE_SPACE}") from exc
         raise  # not the disk's fault (e.g. an unpicklable object): a bug to see in full
 
 
@@ -298,9 +299,22 @@ def find(directory: Path, name: str) -> Path | None:
 
 
 def save_full(state: dict, directory: Path, names: list[str]) -> None:
-    """Rank 0: `state` as `directory/<name>.pt` for each of `names` (a sharded one of the same name is now older)."""
+    """Rank 0: `state` as `directory/<name>.pt` for each of `names`, written once: the other names are hard links
+    to it, each replaced atomically, so a later save of one name leaves the others as they were. A sharded
+    checkpoint of the same name is now older."""
+    first = directory / f"{names[0]}.pt"
+    save_atomic(state, first)
+    for name in names[1:]:
+        final = directory / f"{name}.pt"
+        tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+        try:
+            tmp.unlink(missing_ok=True)
+            _link(first, tmp)
+            os.replace(tmp, final)
+        except OSError as exc:  # the copy a filesystem without hard links needs can fill the disk
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot write checkpoint {final}: {exc.strerror or exc}; {FREE_SPACE}") from exc
     for name in names:
-        save_atomic(state, directory / f"{name}.pt")
         shutil.rmtree(directory / name, ignore_errors=True)
 
 

@@ -41,6 +41,28 @@ def test_save_then_load_roundtrip(tmp_path):
     assert_previous_intact(tmp_path / "ckpt", 2.0)
 
 
+def test_names_saved_together_are_written_once_and_a_later_save_leaves_the_others_as_they_were(tmp_path):
+    """best.pt and last.pt of one epoch: one file under two names (a second write of a 150 MB checkpoint took as
+    long as airbench96's epoch); the next epoch's last.pt replaces its own name only."""
+    ckpt.save_full(big_state(1.0), tmp_path, ["best", "last"])
+    best, last = tmp_path / "best.pt", tmp_path / "last.pt"
+    assert best.stat().st_ino == last.stat().st_ino
+    ckpt.save_full(big_state(2.0), tmp_path, ["last"])
+    assert ckpt.load(best)["epoch"] == 1 and ckpt.load(last)["epoch"] == 2
+    ckpt.save_full(big_state(3.0), tmp_path, ["best", "last"])
+    assert [ckpt.load(p)["epoch"] for p in (best, last)] == [3, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]  # no temp name left
+
+
+def test_without_hard_links_the_other_names_are_copies(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt.os, "link", lambda src, dst: (_ for _ in ()).throw(PermissionError(1, "no links")))
+    ckpt.save_full(big_state(1.0), tmp_path, ["best", "last"])
+    best, last = tmp_path / "best.pt", tmp_path / "last.pt"
+    assert best.stat().st_ino != last.stat().st_ino and best.read_bytes() == last.read_bytes()
+    ckpt.save_full(big_state(2.0), tmp_path, ["last"])
+    assert ckpt.load(best)["epoch"] == 1 and ckpt.load(last)["epoch"] == 2
+
+
 def test_directory_under_a_file_is_a_one_line_error(tmp_path):
     (tmp_path / "plain_file").write_text("not a directory")
     path = tmp_path / "plain_file" / "checkpoints" / "last.pt"
