@@ -196,7 +196,15 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp and self.amp_dtype == torch.float16)
         io = {"num_classes": self.data.num_classes, "input_shape": [self.data.channels, *self.data.image_size]}
         self.checkpoints = Checkpoints(
-            self.run_dir, cfg, self.strategy, self.optimizer, self.scheduler, self.scaler, self.primary, io
+            self.run_dir,
+            cfg,
+            self.strategy,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.primary,
+            io,
+            background=self.device.type == "cuda",
         )
         self.progress = Progress()
         if self.primary:
@@ -378,7 +386,8 @@ class Trainer:
                 if step % 10 == 0 and bar.disable is False:  # the running loss, at a host sync every 10 steps
                     bar.set_postfix(loss=f"{meter.running_loss():.4f}")
                 if stop.agreed(step, self.layout.world_size, self.device, self.signal_check_every):
-                    self._say_saved(stop, self._save_mid_epoch(epoch, step, meter), f"at epoch {epoch + 1} step {step}")
+                    self._save_mid_epoch(epoch, step, meter)
+                    self._say_saved(stop, self.checkpoints.saved("last"), f"at epoch {epoch + 1} step {step}")
                     stop.hand_over()
                 every = self.t.checkpoint_every_n_steps
                 if every and (epoch * self.steps_per_epoch + step) % every == 0 and step < len(steps):
@@ -423,11 +432,11 @@ class Trainer:
         self.scheduler.step()
         return total
 
-    def _save_mid_epoch(self, epoch: int, step: int, meter: EpochMeter) -> Path:
+    def _save_mid_epoch(self, epoch: int, step: int, meter: EpochMeter) -> None:
         """Collective: last.pt at this step of the epoch (a stop signal's, or every checkpoint_every_n_steps)."""
         self.progress.epoch, self.progress.step = epoch, step
         self.progress.partial_totals = meter.partial_totals()  # rank 0's checkpoint holds every rank's sums
-        return self.checkpoints.save(["last"], self.progress)[0]
+        self.checkpoints.save(["last"], self.progress)
 
     def _say_saved(self, stop: StopRequest, saved: Path, where: str) -> None:
         if self.primary:
@@ -469,15 +478,20 @@ class Trainer:
                     top_k = top_k[: self.t.save_top_k]
                     if self.monitor.top_k_name(row) in top_k:  # written with last (fsdp: hard links to its shards)
                         names.insert(0, self.monitor.top_k_name(row))
-                saved = self.checkpoints.save(names, self.progress)
+                self.checkpoints.save(names, self.progress)
                 if self.t.save_top_k:
                     self.checkpoints.keep_only(top_k)
                 stopping = stop.agreed(0, self.layout.world_size, self.device, 1)  # one came during the evaluation
                 if self.primary:
                     self.reporter.epoch(row)
                 if stopping:  # (one that comes from here on stops the next epoch's steps)
-                    self._say_saved(stop, saved[-1], f"at the end of epoch {epoch + 1}")
+                    self._say_saved(stop, self.checkpoints.saved("last"), f"at the end of epoch {epoch + 1}")
                     stop.hand_over()
+        except BaseException:
+            self.checkpoints.wait(raising=False)  # the checkpoint in flight is complete; this error is the one to see
+            raise
+        else:
+            self.checkpoints.wait()
         finally:
             stop.restore()
 

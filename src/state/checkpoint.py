@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -316,6 +317,48 @@ def save_full(state: dict, directory: Path, names: list[str]) -> None:
             raise ConfigError(f"cannot write checkpoint {final}: {exc.strerror or exc}; {FREE_SPACE}") from exc
     for name in names:
         shutil.rmtree(directory / name, ignore_errors=True)
+
+
+class BackgroundWrites:
+    """Rank 0's full checkpoints written by a thread while training goes on, one at a time: the write of an
+    epoch's checkpoint (150 MB for airbench96 with its EMA) would otherwise hold up the next epoch. `start` copies
+    the state first (the next steps change the tensors it holds); `wait` ends the write in flight and raises
+    what failed in it, a disk problem as save_atomic's one-line ConfigError."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, state: dict, directory: Path, names: list[str]) -> None:
+        self.wait()
+        state = _copied(state)
+        self._thread = threading.Thread(target=self._write, args=(state, directory, names), name="ddplab-checkpoint")
+        self._thread.start()
+
+    def _write(self, state: dict, directory: Path, names: list[str]) -> None:
+        try:
+            save_full(state, directory, names)
+        except BaseException as exc:  # raised in the training thread, by wait
+            self._error = exc
+
+    def wait(self, raising: bool = True) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raising:
+            raise error
+
+
+def _copied(obj):
+    """A copy of `obj` that nothing else holds: tensors in host memory, containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def save_sharded(tensors: dict, state: dict, directory: Path, names: list[str], primary: bool) -> None:

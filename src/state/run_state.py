@@ -119,12 +119,25 @@ class Checkpoints:
     src/state/checkpoint.py); either format resumes and evaluates anywhere."""
 
     def __init__(
-        self, run_dir: Path, cfg: DictConfig, strategy, optimizer, scheduler, scaler, primary: bool, model_io=None
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        strategy,
+        optimizer,
+        scheduler,
+        scaler,
+        primary: bool,
+        model_io=None,
+        background: bool = False,
     ):
-        """model_io: the model's class count and input shape, kept in each checkpoint (export rebuilds from it)."""
+        """model_io: the model's class count and input shape, kept in each checkpoint (export rebuilds from it).
+        background: rank 0 writes a full checkpoint while the next epoch trains (for a GPU's run: on the CPU the
+        writing thread would take cores from the training)."""
         self.dir, self.cfg, self.primary, self.model_io = run_dir / "checkpoints", cfg, primary, model_io
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
         self.resumed_from: Path | None = None
+        self.writes = ckpt.BackgroundWrites()
+        self.write = self.writes.start if background else ckpt.save_full
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
             ckpt.remove_partial_writes(self.dir)
 
@@ -142,8 +155,10 @@ class Checkpoints:
             return last
         return Path(resume)
 
-    def save(self, names: list[str], progress: Progress) -> list[Path]:
-        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). Returns the paths written."""
+    def save(self, names: list[str], progress: Progress) -> None:
+        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). A full checkpoint is written in the
+        background: `saved` or `wait` ends the write."""
+        self.writes.wait()  # one save at a time, whatever the format
         totals = progress.partial_totals
         state = {
             "scheduler": self.scheduler.state_dict(),
@@ -161,8 +176,16 @@ class Checkpoints:
             "ema_decay": self.strategy.ema.decay if self.strategy.ema else None,  # its weights: `ema` (strategies)
         }
         names = [name.removesuffix(".pt") for name in names]
-        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary)
-        return [ckpt.find(self.dir, name) or self.dir / name for name in names]
+        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary, self.write)
+
+    def saved(self, name: str) -> Path:
+        """The checkpoint `name` once the write in flight has ended."""
+        self.wait()
+        return ckpt.find(self.dir, name) or self.dir / name
+
+    def wait(self, raising: bool = True) -> None:
+        """End the write in flight; `raising`: its error, if it failed, is raised here."""
+        self.writes.wait(raising)
 
     def keep_only(self, top_k: list[str]) -> None:
         """Rank 0: remove the top-k checkpoints (`epoch<e>-...`) that are no longer among the k best."""

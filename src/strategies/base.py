@@ -171,13 +171,16 @@ class Strategy:
                 self.core, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
             )
 
-    def save_checkpoint(self, directory: Path, names: list[str], optimizer, state: dict, primary: bool) -> None:
+    def save_checkpoint(
+        self, directory: Path, names: list[str], optimizer, state: dict, primary: bool, write=ckpt.save_full
+    ) -> None:
         """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
-        Here the full state is gathered and rank 0 writes `<name>.pt` (src/state/checkpoint.py)."""
+        Here the full state is gathered and rank 0 writes `<name>.pt` with `write` (src/state/checkpoint.py:
+        save_full, or BackgroundWrites.start to write it while training goes on)."""
         average = {"ema": self.ema_state(full=True)} if self.ema else {}
         model_state, optim_state = self.state_dict(optimizer)
         if primary:
-            ckpt.save_full({"model": model_state, "optimizer": optim_state, **average, **state}, directory, names)
+            write({"model": model_state, "optimizer": optim_state, **average, **state}, directory, names)
 
     def ema_state(self, full: bool) -> dict:
         """The EMA as a state dict keyed as the model's (`full`: gathered to rank 0's CPU, else this rank's

@@ -245,13 +245,13 @@ class FSDP(_Distributed):
         if dist.is_initialized():
             _broadcast_from_rank0(self.core, parameters=False)
 
-    def save_checkpoint(self, directory, names, optimizer, state, primary):
+    def save_checkpoint(self, directory, names, optimizer, state, primary, write=ckpt.save_full):
         with dtensor_views(self._shards, optimizer):
-            self._save_checkpoint(directory, names, optimizer, state, primary)
+            self._save_checkpoint(directory, names, optimizer, state, primary, write)
 
-    def _save_checkpoint(self, directory, names, optimizer, state, primary):
+    def _save_checkpoint(self, directory, names, optimizer, state, primary, write):
         if self.checkpoint_format == "full":
-            return super().save_checkpoint(directory, names, optimizer, state, primary)
+            return super().save_checkpoint(directory, names, optimizer, state, primary, write)
         self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
         average = {"ema": self.ema_state(full=False)} if self.ema else {}  # sharded like the model
         model_state, optim_state = _dcp().get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered

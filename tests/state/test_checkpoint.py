@@ -63,6 +63,29 @@ def test_without_hard_links_the_other_names_are_copies(tmp_path, monkeypatch):
     assert ckpt.load(best)["epoch"] == 1 and ckpt.load(last)["epoch"] == 2
 
 
+def test_a_background_write_saves_the_state_as_it_was_when_started(tmp_path):
+    writes = ckpt.BackgroundWrites()
+    state = big_state(1.0)
+    writes.start(state, tmp_path, ["best", "last"])
+    state["model"]["w"].fill_(7.0)  # the next training steps change the tensors while the thread writes
+    state["epoch"] = 7
+    writes.wait()
+    for name in ("best", "last"):
+        saved = ckpt.load(tmp_path / f"{name}.pt")
+        assert saved["epoch"] == 1 and torch.equal(saved["model"]["w"], big_state(1.0)["model"]["w"])
+
+
+def test_a_background_write_that_fails_raises_its_one_line_error_when_waited_for(tmp_path):
+    ckpt.save_atomic(big_state(1.0), tmp_path / "last.pt")
+    (tmp_path / f".last.pt.tmp{os.getpid()}").symlink_to("/dev/full")  # the temp name save_atomic picks
+    writes = ckpt.BackgroundWrites()
+    writes.start(big_state(2.0), tmp_path, ["last"])
+    with pytest.raises(ConfigError, match=r"^cannot write checkpoint .*last.pt: No space left on device; free space"):
+        writes.wait()
+    writes.wait()  # raised once
+    assert_previous_intact(tmp_path, 1.0)
+
+
 def test_directory_under_a_file_is_a_one_line_error(tmp_path):
     (tmp_path / "plain_file").write_text("not a directory")
     path = tmp_path / "plain_file" / "checkpoints" / "last.pt"
