@@ -137,7 +137,7 @@ class Checkpoints:
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
         self.resumed_from: Path | None = None
         self.writes = ckpt.BackgroundWrites()
-        self.write = self.writes.start if background else ckpt.save_full
+        self.write_full = self.writes.start if background else ckpt.save_full
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
             ckpt.remove_partial_writes(self.dir)
 
@@ -156,8 +156,8 @@ class Checkpoints:
         return Path(resume)
 
     def save(self, names: list[str], progress: Progress) -> None:
-        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). A full checkpoint is written in the
-        background: `saved` or `wait` ends the write."""
+        """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). With `background`, a full checkpoint
+        is still being written on return: `saved` or `wait` ends the write."""
         self.writes.wait()  # one save at a time, whatever the format
         totals = progress.partial_totals
         state = {
@@ -176,7 +176,7 @@ class Checkpoints:
             "ema_decay": self.strategy.ema.decay if self.strategy.ema else None,  # its weights: `ema` (strategies)
         }
         names = [name.removesuffix(".pt") for name in names]
-        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary, self.write)
+        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary, self.write_full)
 
     def saved(self, name: str) -> Path:
         """The checkpoint `name` once the write in flight has ended."""
