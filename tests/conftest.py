@@ -126,6 +126,39 @@ def assert_compiled_loader_augments_like_eager(
         assert c.x.is_contiguous(memory_format=torch.channels_last) and not c.x.is_contiguous()
 
 
+def assert_background_checkpoints_equal_inline(cfg_factory, monkeypatch, *overrides: str) -> list[str]:
+    """Two runs of `overrides` (4 epochs): one writes its full checkpoints itself, the other from a thread while
+    the next epoch trains (src/state/checkpoint.py: BackgroundWrites). They end with the same figures and the same
+    checkpoints, bit for bit: epoch, weights, momentum and, where trainer.ema is set, the average. Returns the
+    checkpoints' names."""
+    from src.run import trainer as trainer_module
+    from src.state import checkpoint as ckpt
+    from src.state.run_state import Checkpoints
+
+    args = ("trainer.max_epochs=4", *overrides)
+    figures, started = [], []
+    start = ckpt.BackgroundWrites.start
+    monkeypatch.setattr(ckpt.BackgroundWrites, "start", lambda self, *a: started.append(a[2]) or start(self, *a))
+    for background in (False, True):
+        forced = lambda *a, _on=background, **k: Checkpoints(*a, **{**k, "background": _on})  # noqa: E731
+        monkeypatch.setattr(trainer_module, "Checkpoints", forced)
+        figures.append(trainer_module.train(cfg_factory(*args, sub=f"background-{background}")))
+    assert len(started) == 4 and started[-1][-1] == "last"
+    keys = ("test_loss", "val_loss", "best_epoch")
+    assert {k: figures[0][k] for k in keys} == {k: figures[1][k] for k in keys}
+    dirs = [Path(cfg_factory(sub=f"background-{b}").paths.output_dir) / "checkpoints" for b in (False, True)]
+    names = [sorted(p.name for p in d.iterdir()) for d in dirs]
+    assert names[0] == names[1] and "last.pt" in names[0]
+    for name in names[0]:
+        a, b = (torch.load(d / name, weights_only=True) for d in dirs)
+        assert a["epoch"] == b["epoch"] and a["best_epoch"] == b["best_epoch"]
+        for part in ("model", "ema") if "ema" in a else ("model",):
+            assert all(b[part][k].device.type == "cpu" and torch.equal(a[part][k], b[part][k]) for k in a[part])
+        momentum = [(a["optimizer"]["state"][k], b["optimizer"]["state"][k]) for k in a["optimizer"]["state"]]
+        assert momentum and all(torch.equal(x["momentum_buffer"], y["momentum_buffer"]) for x, y in momentum)
+    return names[0]
+
+
 def assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *overrides: str) -> tuple[dict, dict]:
     """Seed 1, then seed 2 in one process, as a local multirun trains them: seed 2 compiles no graph, and its figures
     equal seed 2's compiled afresh. Returns both seed-2 runs' final metrics (reused, fresh)."""

@@ -9,6 +9,7 @@ from src.run.launch import main as launch
 from src.run.trainer import train
 from src.state.checkpoint import find
 from tests.conftest import (
+    assert_background_checkpoints_equal_inline,
     assert_compiled_loader_augments_like_eager,
     assert_same_weights,
     assert_the_next_seed_reuses_the_compiled_graphs,
@@ -168,6 +169,30 @@ def test_the_next_seed_under_cuda_graphs_reuses_the_compiled_code_and_gets_a_fre
     graphs = (*GPU, "trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.max_epochs=2")
     reused, fresh = assert_the_next_seed_reuses_the_compiled_graphs(cfg_factory, *graphs)
     assert reused["peak_mem_reserved_gb"] <= 2 * fresh["peak_mem_reserved_gb"]
+
+
+def test_a_background_write_of_gpu_tensors_saves_them_as_they_were_when_started(tmp_path):
+    """The GPU copies the state to host memory in stream order, after the work queued before `start` (here a
+    second of it) and before what follows; the writing thread waits for the copy, the training thread does not."""
+    from src.state import checkpoint as ckpt
+
+    w = torch.zeros(64, 1024, 1024, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # the GPU is busy for about a second
+    w.fill_(1.0)  # queued behind it
+    writes = ckpt.BackgroundWrites()
+    writes.start({"model": {"w": w}, "epoch": 1}, tmp_path, ["last"])
+    w.fill_(7.0)  # the next step changes the tensor before the copy has run
+    writes.wait()
+    saved = ckpt.load(tmp_path / "last.pt")["model"]["w"]
+    assert saved.device.type == "cpu" and torch.equal(saved, torch.ones(64, 1024, 1024))
+
+
+@pytest.mark.parametrize("compiled", [(), ("trainer.compile=true", "trainer.compile_mode=reduce-overhead")])
+def test_gpu_checkpoints_written_in_the_background_equal_those_written_inline(cfg_factory, monkeypatch, compiled):
+    """A GPU run takes its checkpoint where the model is (the EMA's swapped in and cloned there) and the GPU copies
+    it to pinned host memory while the next epoch trains: bit for bit what writing it in the training thread gives."""
+    exact = ("trainer.amp=false", "trainer.deterministic=true", "trainer.ema.decay=0.9", "trainer.save_top_k=2")
+    assert_background_checkpoints_equal_inline(cfg_factory, monkeypatch, *GPU, *exact, *compiled)
 
 
 def test_compiled_gpu_loader_augments_exactly_like_eager_on_gpu(cfg_factory):

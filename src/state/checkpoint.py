@@ -331,12 +331,16 @@ class BackgroundWrites:
 
     def start(self, state: dict, directory: Path, names: list[str]) -> None:
         self.wait()
-        state = _copied(state)
-        self._thread = threading.Thread(target=self._write, args=(state, directory, names), name="ddplab-checkpoint")
+        state, copied = _host_copy(state)
+        self._thread = threading.Thread(
+            target=self._write, args=(state, copied, directory, names), name="ddplab-checkpoint"
+        )
         self._thread.start()
 
-    def _write(self, state: dict, directory: Path, names: list[str]) -> None:
+    def _write(self, state: dict, copied: list, directory: Path, names: list[str]) -> None:
         try:
+            for event in copied:
+                event.synchronize()
             save_full(state, directory, names)
         except BaseException as exc:  # raised in the training thread, by wait
             self._error = exc
@@ -350,15 +354,29 @@ class BackgroundWrites:
             raise error
 
 
-def _copied(obj):
-    """A copy of `obj` that nothing else holds: tensors in host memory, containers rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _copied(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_copied(v) for v in obj)
-    return obj
+def _host_copy(state: dict) -> tuple[dict, list]:
+    """A copy of `state` that nothing else holds (tensors in host memory, containers rebuilt), and the CUDA events
+    after which it is complete. A GPU tensor is copied into pinned memory by the GPU, ordered after the steps that
+    made it and before those that change it, without the host waiting for it here."""
+    devices = set()
+
+    def copy(obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                devices.add(obj.device)
+                return obj.detach().to("cpu", non_blocking=True)
+            return obj.detach().clone()
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(copy(v) for v in obj)
+        return obj
+
+    copied = copy(state)
+    events = [torch.cuda.Event() for _ in devices]
+    for event, device in zip(events, devices):
+        event.record(torch.cuda.current_stream(device))
+    return copied, events
 
 
 def save_sharded(tensors: dict, state: dict, directory: Path, names: list[str], primary: bool) -> None:

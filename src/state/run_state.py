@@ -137,7 +137,7 @@ class Checkpoints:
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
         self.resumed_from: Path | None = None
         self.writes = ckpt.BackgroundWrites()
-        self.write_full = self.writes.start if background else ckpt.save_full
+        self.background = self.writes if background else None
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
             ckpt.remove_partial_writes(self.dir)
 
@@ -176,7 +176,7 @@ class Checkpoints:
             "ema_decay": self.strategy.ema.decay if self.strategy.ema else None,  # its weights: `ema` (strategies)
         }
         names = [name.removesuffix(".pt") for name in names]
-        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary, self.write_full)
+        self.strategy.save_checkpoint(self.dir, names, self.optimizer, state, self.primary, self.background)
 
     def saved(self, name: str) -> Path:
         """The checkpoint `name` once the write in flight has ended."""

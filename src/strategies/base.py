@@ -66,6 +66,7 @@ class Strategy:
     sync_bn: bool = False
 
     name: ClassVar[str] = "single"
+    gathers_to_host: ClassVar[bool] = False  # a full checkpoint is gathered into host memory (fsdp's shards)
     multiprocess: ClassVar[bool] = False  # one process per device (started by train.py or a launcher)
     cuda_graphs: ClassVar[bool] = True  # trainer.compile_mode=reduce-overhead works
     fused_optimizer: ClassVar[bool] = True  # the optimizer's fused CUDA kernels work on its parameters
@@ -156,10 +157,11 @@ class Strategy:
         self.sync_buffers()
         return self.core
 
-    def state_dict(self, optimizer) -> tuple[dict, dict]:
-        """Unsharded model and optimizer state keyed by parameter name (collective under fsdp)."""
+    def state_dict(self, optimizer, offload: bool = True) -> tuple[dict, dict]:
+        """Unsharded model and optimizer state keyed by parameter name (collective under fsdp); `offload`: in host
+        memory, else where the model is (its own tensors, not copies)."""
         return _dcp().get_state_dict(
-            self.core, optimizer, options=_dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.core, optimizer, options=_dcp().StateDictOptions(full_state_dict=True, cpu_offload=offload)
         )
 
     def load_state_dict(self, model_state: dict, optimizer=None, optim_state: dict | None = None, strict=True) -> None:
@@ -172,20 +174,29 @@ class Strategy:
             )
 
     def save_checkpoint(
-        self, directory: Path, names: list[str], optimizer, state: dict, primary: bool, write=ckpt.save_full
+        self,
+        directory: Path,
+        names: list[str],
+        optimizer,
+        state: dict,
+        primary: bool,
+        background: ckpt.BackgroundWrites | None = None,
     ) -> None:
         """Collective: checkpoints `names` ("last", "best") of the model, the optimizer and `state` (the rest).
-        Here the full state is gathered and rank 0 writes `<name>.pt` with `write` (src/state/checkpoint.py:
-        save_full, or BackgroundWrites.start to write it while training goes on)."""
-        average = {"ema": self.ema_state(full=True)} if self.ema else {}
-        model_state, optim_state = self.state_dict(optimizer)
+        Here the full state is gathered and rank 0 writes `<name>.pt`, or has `background` write it while training
+        goes on. That copies the GPU's tensors to the host itself, in the GPU's stream order: the state is taken
+        where it is, unless gathering it there would hold a second full model (`gathers_to_host`)."""
+        offload = background is None or self.gathers_to_host
+        average = {"ema": self.ema_state(full=True, offload=offload)} if self.ema else {}
+        model_state, optim_state = self.state_dict(optimizer, offload)
         if primary:
-            write({"model": model_state, "optimizer": optim_state, **average, **state}, directory, names)
+            full = {"model": model_state, "optimizer": optim_state, **average, **state}
+            background.start(full, directory, names) if background else ckpt.save_full(full, directory, names)
 
-    def ema_state(self, full: bool) -> dict:
-        """The EMA as a state dict keyed as the model's (`full`: gathered to rank 0's CPU, else this rank's
-        shards); collective under fsdp. The model holds the average while torch's helper reads it."""
-        options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
+    def ema_state(self, full: bool, offload: bool = True) -> dict:
+        """The EMA as a state dict keyed as the model's (`full`: gathered to rank 0, in host memory with `offload`,
+        else this rank's shards); collective under fsdp. The model holds the average while torch's helper reads it."""
+        options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=offload) if full else None
         with self.ema.swapped():  # copies: the helper may return the model's own tensors
             return {k: v.clone() for k, v in _dcp().get_model_state_dict(self.core, options=options).items()}
 

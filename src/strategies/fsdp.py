@@ -43,6 +43,7 @@ class FSDP(_Distributed):
     auto_block_mib: ClassVar[float] = 32.0  # auto shards each block on its own from this mean block size (fp32)
 
     name: ClassVar[str] = "fsdp"
+    gathers_to_host: ClassVar[bool] = True
     fused_optimizer: ClassVar[bool] = False  # the fused kernels do not take DTensor parameters: see prepare_optimizer
     channels_last_weights: ClassVar[bool] = False  # FSDP2 cannot shard non-contiguous weights
     averages_gradients: ClassVar[bool] = True
@@ -223,17 +224,17 @@ class FSDP(_Distributed):
         return [] if self._shards else super().replicated_parameters()
 
     # the in-graph route shows its rows to torch's state-dict helpers as FSDP2's DTensors
-    def state_dict(self, optimizer):
+    def state_dict(self, optimizer, offload=True):
         with dtensor_views(self._shards, optimizer):
-            return super().state_dict(optimizer)
+            return super().state_dict(optimizer, offload)
 
     def load_state_dict(self, model_state, optimizer=None, optim_state=None, strict=True):
         with dtensor_views(self._shards, optimizer):
             return super().load_state_dict(model_state, optimizer, optim_state, strict)
 
-    def ema_state(self, full):
+    def ema_state(self, full, offload=True):
         with dtensor_views(self._shards):
-            return super().ema_state(full)
+            return super().ema_state(full, offload)
 
     def load_checkpoint(self, path, optimizer=None, head=frozenset()):
         with dtensor_views(self._shards, optimizer):
@@ -245,13 +246,13 @@ class FSDP(_Distributed):
         if dist.is_initialized():
             _broadcast_from_rank0(self.core, parameters=False)
 
-    def save_checkpoint(self, directory, names, optimizer, state, primary, write=ckpt.save_full):
+    def save_checkpoint(self, directory, names, optimizer, state, primary, background=None):
         with dtensor_views(self._shards, optimizer):
-            self._save_checkpoint(directory, names, optimizer, state, primary, write)
+            self._save_checkpoint(directory, names, optimizer, state, primary, background)
 
-    def _save_checkpoint(self, directory, names, optimizer, state, primary, write):
+    def _save_checkpoint(self, directory, names, optimizer, state, primary, background):
         if self.checkpoint_format == "full":
-            return super().save_checkpoint(directory, names, optimizer, state, primary, write)
+            return super().save_checkpoint(directory, names, optimizer, state, primary, background)
         self.sync_buffers()  # DCP writes a replicated buffer from one rank, not necessarily rank 0
         average = {"ema": self.ema_state(full=False)} if self.ema else {}  # sharded like the model
         model_state, optim_state = _dcp().get_state_dict(self.core, optimizer)  # this rank's shards: nothing gathered

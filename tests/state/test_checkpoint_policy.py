@@ -4,17 +4,21 @@ uninterrupted run does."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from src.config.errors import ConfigError
-from src.run import trainer as trainer_module
 from src.run.trainer import train
 from src.state import checkpoint as ckpt
-from src.state.run_state import Checkpoints, Monitor
-from tests.conftest import read_metrics, run_cli, start_train, start_until_checkpoint, weights
+from src.state.run_state import Monitor
+from tests.conftest import (
+    assert_background_checkpoints_equal_inline,
+    read_metrics,
+    run_cli,
+    start_train,
+    start_until_checkpoint,
+    weights,
+)
 
 EXACT = ("trainer.deterministic=true",)
 
@@ -172,24 +176,5 @@ def test_fsdp_keeps_its_top_k_as_sharded_folders_that_resume_exactly(tmp_path):
 def test_checkpoints_written_in_the_background_equal_those_the_training_thread_writes(cfg_factory, monkeypatch):
     """A GPU run writes its full checkpoints from a thread while the next epoch trains (BackgroundWrites); forced
     on here, on the CPU, the run ends with the figures and every checkpoint of a run that writes them itself."""
-    args = ("trainer.max_epochs=4", "trainer.save_top_k=2", *EXACT)
-    inline = train(cfg_factory(*args, sub="inline"))
-    started = []
-    start = ckpt.BackgroundWrites.start
-    monkeypatch.setattr(ckpt.BackgroundWrites, "start", lambda self, *a: started.append(a[2]) or start(self, *a))
-    forced = lambda *a, background, **k: Checkpoints(*a, background=True, **k)  # noqa: E731
-    monkeypatch.setattr(trainer_module, "Checkpoints", forced)
-    background = train(cfg_factory(*args, sub="background"))
-    assert len(started) == 4 and started[-1][-1] == "last"
-    assert {k: background[k] for k in ("test_loss", "val_loss", "best_epoch")} == {
-        k: inline[k] for k in ("test_loss", "val_loss", "best_epoch")
-    }
-    dirs = [cfg_factory(sub=sub).paths.output_dir for sub in ("inline", "background")]
-    names = [sorted(p.name for p in (Path(d) / "checkpoints").iterdir()) for d in dirs]
-    assert names[0] == names[1] and len(names[0]) == 4  # best, last and the two best epochs'
-    for name in names[0]:
-        a, b = (torch.load(Path(d) / "checkpoints" / name, weights_only=True) for d in dirs)
-        assert a["epoch"] == b["epoch"] and a["best_epoch"] == b["best_epoch"]
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        momentum = [(a["optimizer"]["state"][k], b["optimizer"]["state"][k]) for k in a["optimizer"]["state"]]
-        assert momentum and all(torch.equal(x["momentum_buffer"], y["momentum_buffer"]) for x, y in momentum)
+    names = assert_background_checkpoints_equal_inline(cfg_factory, monkeypatch, "trainer.save_top_k=2", *EXACT)
+    assert len(names) == 4  # best, last and the two best epochs
