@@ -75,6 +75,13 @@ def start_train(*args: str) -> subprocess.Popen:
     )
 
 
+def make_env(env: dict | None = None) -> dict:
+    """`env` (the environment) for a `make` a test runs: without what the `make test` around it passes down to
+    sub-makes (MAKEFLAGS carries its command line's variables, such as ARGS meant for pytest)."""
+    inherited = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in inherited}
+
+
 def start_until_checkpoint(*args: str, run_dir: Path, timeout: float = 120) -> subprocess.Popen:
     """Start `train.py args` and return once its first checkpoint exists (it is training, its handlers are set)."""
     proc = start_train(*args)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from src.data.loader_plan import dali_installed
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, make_env, run_cli
 from tests.data.test_decode import write_tree
 
 BENCH = [sys.executable, str(ROOT / "bench" / "bench.py")]
@@ -772,6 +772,7 @@ def test_make_bench_dali_refuses_in_one_line_before_any_rank_starts(tmp_path):
     proc = subprocess.run(
         ["make", "-s", "-o", ".venv/.installed", "bench-dali", f"SHARDS={tmp_path}", f"PY={sys.executable}"],
         cwd=ROOT,
+        env=make_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from src.reporting import report
-from tests.conftest import ROOT
+from tests.conftest import ROOT, make_env
 
 CHOICES = {"model": "resnet18", "optim": "sgd", "scheduler": "cosine"}
 CONFIG = {
@@ -130,7 +130,7 @@ def test_no_argument_reports_the_newest_sweep_that_has_results(tmp_path):
     make = subprocess.run(
         _make("report"),
         cwd=tmp_path,
-        env=env,
+        env=make_env(env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -241,6 +241,7 @@ def test_make_tensorboard_serves_outputs_and_multirun_on_port(tmp_path):
     server = subprocess.Popen(
         _make(f"PORT={port}", "tensorboard"),
         cwd=tmp_path,
+        env=make_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
