@@ -80,12 +80,13 @@ DATA ?= data/cifar10-jpeg
 AIRBENCH_GPUS ?= 2
 PRESET_EPOCHS ?= 40
 DDP_EPOCHS ?= 50
+SEEDS ?= 2,4,42
 PRESET = experiment=cifar10_airbench data.root=$(abspath $(DATA)) trainer.test_every_epoch=false
-bench-airbench: install  ## airbench96 (40, 60 epochs), then experiment=cifar10_airbench on one GPU (PRESET_EPOCHS=40) and ddp x AIRBENCH_GPUS (DDP_EPOCHS=50), seeds 2, 4, 42, on the CIFAR-10 JPEGs (GPU; pip install airbench==0.1.8): DATA=<folder>
-	$(PY) bench/airbench_anchor.py --data $(DATA) --epochs 40,60 --out outputs/bench/airbench96.json $(ARGS)
+bench-airbench: install  ## airbench96 (40, 60 epochs), then experiment=cifar10_airbench on one GPU (PRESET_EPOCHS=40) and ddp x AIRBENCH_GPUS (DDP_EPOCHS=50), SEEDS=2,4,42, on the CIFAR-10 JPEGs (GPU; pip install airbench==0.1.8): DATA=<folder>
+	$(PY) bench/airbench_anchor.py --data $(DATA) --seeds $(SEEDS) --epochs 40,60 --out outputs/bench/airbench96.json $(ARGS)
 	for run in "single 1 $(PRESET_EPOCHS)" "ddp $(AIRBENCH_GPUS) $(DDP_EPOCHS)"; do set -- $$run; d=outputs/bench/cifar10_airbench/$$1; \
 		$(PY) train.py $(PRESET) strategy=$$1 trainer.devices=$$2 trainer.max_epochs=1 hydra.run.dir=$$d-warmup && \
-		$(PY) train.py -m $(PRESET) strategy=$$1 trainer.devices=$$2 trainer.max_epochs=$$3 seed=2,4,42 hydra.sweep.dir=$$d 'hydra.sweep.subdir=seed$${seed}' || exit 1; done
+		$(PY) train.py -m $(PRESET) strategy=$$1 trainer.devices=$$2 trainer.max_epochs=$$3 seed=$(SEEDS) hydra.sweep.dir=$$d 'hydra.sweep.subdir=seed$${seed}' || exit 1; done
 	$(PY) -m src.reporting.report outputs/bench/cifar10_airbench/single outputs/bench/cifar10_airbench/ddp \
 		--out outputs/bench/cifar10_airbench
 
