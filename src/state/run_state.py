@@ -136,8 +136,7 @@ class Checkpoints:
         self.dir, self.cfg, self.primary, self.model_io = run_dir / "checkpoints", cfg, primary, model_io
         self.strategy, self.optimizer, self.scheduler, self.scaler = strategy, optimizer, scheduler, scaler
         self.resumed_from: Path | None = None
-        self.writes = ckpt.BackgroundWrites()
-        self.background = self.writes if background else None
+        self.background = ckpt.BackgroundWrites() if background else None
         if primary and cfg.train:  # the run lock is held: a temp file here is a killed save's, never a live one
             ckpt.remove_partial_writes(self.dir)
 
@@ -158,7 +157,7 @@ class Checkpoints:
     def save(self, names: list[str], progress: Progress) -> None:
         """Collective; `names`: "last", "best" (a ".pt" suffix is ignored). With `background`, a full checkpoint
         is still being written on return: `saved` or `wait` ends the write."""
-        self.writes.wait()  # one save at a time, whatever the format
+        self.wait()  # one save at a time, whatever the format
         totals = progress.partial_totals
         state = {
             "scheduler": self.scheduler.state_dict(),
@@ -185,7 +184,8 @@ class Checkpoints:
 
     def wait(self, raising: bool = True) -> None:
         """End the write in flight; `raising`: its error, if it failed, is raised here."""
-        self.writes.wait(raising)
+        if self.background is not None:
+            self.background.wait(raising)
 
     def keep_only(self, top_k: list[str]) -> None:
         """Rank 0: remove the top-k checkpoints (`epoch<e>-...`) that are no longer among the k best."""
