@@ -741,9 +741,29 @@ def test_profile_loop_counts_each_cuda_graph_recording_once():
     assert graphs_recorded([Event(key="mm", count=9)]) == 0
 
 
+def test_profile_loop_counts_the_device_time_once():
+    """The GPU's busy time is its own events' time: a CPU operator's device time and a GPU-side annotation (a
+    compiled graph's call) cover the same kernels again, and counting them put an H200 epoch at 265 % busy."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_loop import device_seconds
+
+    def event(device, us, annotation=False):
+        return Event(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
+
+    kernels = [event(DeviceType.CUDA, 300_000), event(DeviceType.CUDA, 150_000)]
+    covering = [event(DeviceType.CPU, 300_000), event(DeviceType.CUDA, 318_000, annotation=True)]
+    assert device_seconds(kernels + covering) == pytest.approx(0.45)
+    assert device_seconds(covering) == 0
+
+
 def test_profile_loop_profiles_the_epoch_after_its_warmup_and_leaves_no_run_behind(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     script = [sys.executable, "bench/profile_loop.py", "trainer.limit_train_batches=3", "--rows", "1"]
+    script += ["trainer.progress_bar=false"]  # overrides on both sides of an option
     proc = subprocess.run([*script, "--warmup-epochs", "2"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = next(line for line in proc.stdout.splitlines() if "(profiled)" in line)

@@ -240,3 +240,34 @@ def test_cpu_cropping_workers_that_starve_the_gpu_hand_it_the_crops(tmp_path):
     assert resumed.returncode == 0 and len(said) == 1, resumed.stderr[-2000:]
     assert said[0].endswith("data.crop=auto: this process crops (the workers decode), as measured before the resume")
     assert read_metrics(run_dir)["hparams"]["loader"] == "decode-cpu-crop-device"
+
+
+def test_profile_loop_counts_the_gpus_busy_time_once():
+    """bench/profile_loop.py's busy time lies between the kernels known to run (a sleep of about 0.2 s) and the
+    profiled wall time: a GPU-side annotation over the same kernels is not counted again."""
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_loop import device_seconds
+
+    step = torch.compile(lambda a: (a @ a).relu().sum(), mode="reduce-overhead")
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):  # recorded, then replayed
+        step(a)
+    torch.cuda._sleep(10_000)  # the sleep kernel's first launch loads its module outside the profile
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        with torch.profiler.record_function("the whole region"):
+            torch.cuda._sleep(400_000_000)
+            for _ in range(20):
+                step(a)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spin = [e for e in prof.key_averages() if "spin_kernel" in e.key and e.device_type != torch.autograd.DeviceType.CPU]
+    sleep = sum(e.self_device_time_total for e in spin) / 1e6  # torch.cuda._sleep's kernel
+    assert 0.05 < sleep <= device_seconds(prof.key_averages()) <= wall
