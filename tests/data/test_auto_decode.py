@@ -34,7 +34,7 @@ def test_auto_decode_by_host(device, workers, cpu_only, dali, expected):
 @pytest.mark.parametrize(("skip", "expected"), [(False, "decode-dali"), (True, "decode-gpu")])
 def test_few_cpus_decode_with_dali_unless_bad_images_are_to_be_skipped(skip, expected):
     """DALI stops at an unreadable image: data.skip_bad_images=true keeps ddplab's own GPU decoding."""
-    pytest.importorskip("nvidia.dali", reason="DALI installs on Linux x86-64 only (requirements.txt)")
+    pytest.importorskip("nvidia.dali", reason="needs DALI (requirements.txt installs it on Linux x86-64 only)")
     options = LoaderOptions(loader="auto", num_workers=3, skip_bad_images=skip)
     plan = resolve_plan(options, torch.device("cuda", 0), in_memory=False, encoded=True, trivial=False)
     assert plan.name == expected and plan.workers == 3

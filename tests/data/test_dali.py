@@ -22,7 +22,7 @@ from src.state.checkpoint import find
 from tests.conftest import assert_same_weights, make_cfg, read_metrics
 from tests.data.test_decode import disk_data, one_cpu, write_tree  # noqa: F401 (one_cpu: a fixture)
 
-pytest.importorskip("nvidia.dali", reason="DALI installs on Linux x86-64 only (requirements.txt)")
+pytest.importorskip("nvidia.dali", reason="needs DALI (requirements.txt installs it on Linux x86-64 only)")
 
 KINDS = ("jpeg", "png", "cmyk", "gray", "progressive")
 CPU = torch.device("cpu")

@@ -880,7 +880,7 @@ def test_cuda_training_with_gpu_decoding_and_cuda_graphs(tmp_path, decode):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if decode == "dali" and not dali_installed():
-        pytest.skip("DALI installs on Linux x86-64 only (requirements.txt)")
+        pytest.skip("needs DALI (requirements.txt installs it on Linux x86-64 only)")
     write_tree(tmp_path / "tree", per_class=(16, 4))
     _, cfg = disk_data(
         tmp_path,
