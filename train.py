@@ -65,8 +65,9 @@ def _sweeper_reads_objective() -> bool:
 
 
 if __name__ == "__main__":
-    from src.config.cli import problem
+    from src.config.cli import problem, read_launcher
 
+    sys.argv[1:] = read_launcher(sys.argv[1:])  # Hydra reads sys.argv
     if said := problem(sys.argv[1:]):  # before Hydra, whose own messages take several lines
         print(f"error: {said}", file=sys.stderr)
         sys.exit(2)

@@ -34,6 +34,41 @@ HYDRA_MODES = {
 }
 
 
+SLURM_LAUNCHER = "hydra/launcher=submitit_slurm"
+SLURM_PRESET = "cluster=slurm"  # that launcher with the cluster's settings: conf/cluster/slurm.yaml
+SLURM_PRESET_NOTE = (
+    f"note: {SLURM_LAUNCHER} is read as {SLURM_PRESET}, which selects that launcher with the cluster's settings "
+    f"(conf/cluster/slurm.yaml: cluster.partition, cluster.gpus_per_node, cluster.nodes, ...)"
+)
+
+
+def read_launcher(argv: list[str]) -> list[str]:
+    """`hydra/launcher=submitit_slurm` without a `cluster=` choice is read as `cluster=slurm` too: on its own the
+    launcher would submit with submitit's defaults (one task, no GPU, 60 min, no requeue), while the preset selects
+    the same launcher with one ddp rank per GPU and the time limit, requeue and checks of conf/cluster/slurm.yaml.
+    The sweep says so once SLURM has been found (src/run/sweep.py)."""
+    if SLURM_LAUNCHER not in argv or any(_key(arg) == "cluster" for arg in argv):
+        return argv
+    at = argv.index(SLURM_LAUNCHER)
+    return [*argv[:at], SLURM_PRESET, *argv[at:]]
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~") if not arg.startswith("-") else ""
+
+
+def _launcher_of(cluster_choice: str) -> str:
+    """The Hydra launcher a `cluster=` choice composes (its _target_), '' where it does not compose."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=[cluster_choice], return_hydra_config=True)
+    except Exception:  # an unknown option: the checks below say so
+        return ""
+    return str(cfg.hydra.launcher.get("_target_", ""))
+
+
 def _suggest(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
@@ -106,6 +141,12 @@ def problem(argv: list[str]) -> str | None:
                 f"cannot read the override {arg!r} ({said}); put a value with spaces or special characters in "
                 f"quotes for Hydra, inside quotes for the shell: \"key='a value'\""
             )
+    cluster = next((arg for arg in overrides if _key(arg) == "cluster"), None)
+    if SLURM_LAUNCHER in overrides and cluster and not _launcher_of(cluster).endswith("SlurmLauncher"):
+        return (
+            f"{cluster} runs on this machine and {SLURM_LAUNCHER} submits to SLURM; to submit, drop {cluster} "
+            f"(then {SLURM_LAUNCHER} is read as {SLURM_PRESET}) or replace both with {SLURM_PRESET}"
+        )
     swept = [arg for arg, o in zip(overrides, parsed) if o.is_sweep_override()]
     if swept and "--multirun" not in modes and not _chooses_multirun([a for a in overrides if a not in swept]):
         return f"{swept[0]} lists several values: add -m to sweep them (python train.py -m ...), or give it one value"

@@ -205,10 +205,25 @@ def test_two_node_job_equals_local_ddp(slurm_env, tmp_path, local_ddp):
 
 
 @pytest.mark.slow
-def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path):
+@pytest.mark.parametrize(
+    "launch",
+    [
+        ("cluster=slurm_2nodes", *CPU_CLUSTER),
+        # the launcher named alone is read as cluster=slurm (was: one task, no GPU, cluster=local's options refused)
+        (
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            *(o for o in CPU_CLUSTER if "tasks_per_node" not in o),
+            "cluster.tasks_per_node=2",
+        ),
+    ],
+    ids=["cluster", "launcher"],
+)
+def test_seed_sweep_runs_one_job_per_seed(slurm_env, tmp_path, launch):
     # as a user would: from a directory of theirs (not the repo), default sweep dir <cwd>/multirun/<date>/<time>
-    proc = run_cli("cluster=slurm_2nodes", *CPU_CLUSTER, *FAST, "seed=1,2", cwd=tmp_path, timeout=240)
+    proc = run_cli(*launch, *FAST, "seed=1,2", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert ("note: hydra/launcher=submitit_slurm is read as cluster=slurm" in proc.stderr) == ("-m" in launch)
     [sweep] = list((tmp_path / "multirun").glob("*/*"))
     jobs = _job_ids(sweep)
     assert len(jobs) == 2 and all("_" in j for j in jobs), jobs  # one array, one task per sweep point

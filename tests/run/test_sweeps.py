@@ -229,6 +229,34 @@ def test_slurm_sweeps_on_a_machine_without_slurm_are_one_line_naming_local_tasks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # no sweep folder
 
 
+def test_the_slurm_launcher_named_alone_is_read_as_the_slurm_preset(tmp_path):
+    """`hydra/launcher=submitit_slurm` alone would submit with submitit's defaults: one task, no GPU, 60 minutes, no
+    requeue. It is read as cluster=slurm, which selects the same launcher with the cluster's settings."""
+    from src.config.cli import read_launcher
+
+    argv = read_launcher(["-m", "seed=1,2", "hydra/launcher=submitit_slurm", "cluster.gpus_per_node=4"])
+    assert argv == ["-m", "seed=1,2", "cluster=slurm", "hydra/launcher=submitit_slurm", "cluster.gpus_per_node=4"]
+    for given in (["hydra/launcher=submitit_slurm", "cluster=slurm_2nodes"], ["seed=1"]):  # a cluster= choice rules
+        assert read_launcher(given) == given
+    proc = run_cli("hydra/launcher=submitit_slurm", "--cfg", "all", "--resolve", cwd=tmp_path)  # as a user's is
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launcher = yaml.safe_load(proc.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("SlurmLauncher") and launcher["tasks_per_node"] == launcher["gpus_per_node"]
+    assert launcher["gpus_per_node"] == 8 and launcher["timeout_min"] == 240 and launcher["max_num_timeout"] == 3
+
+
+@pytest.mark.parametrize("cluster", ["cluster=local", "cluster=local_tasks"])
+def test_the_slurm_launcher_with_a_local_cluster_is_one_line(tmp_path, cluster):
+    proc = run_cli("-m", "seed=1,2", "hydra/launcher=submitit_slurm", cluster, "debug=fast", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line == (
+        f"error: {cluster} runs on this machine and hydra/launcher=submitit_slurm submits to SLURM; to submit, drop "
+        f"{cluster} (then hydra/launcher=submitit_slurm is read as cluster=slurm) or replace both with cluster=slurm"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing made, nothing submitted
+
+
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (make slurm-install)")
 def test_a_slurm_client_without_a_controller_is_one_line(tmp_path):
     conf = tmp_path / "slurm.conf"  # the real client, pointed at a controller that is not running
