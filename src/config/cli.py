@@ -34,23 +34,31 @@ HYDRA_MODES = {
 }
 
 
-SLURM_LAUNCHER = "hydra/launcher=submitit_slurm"
-SLURM_PRESET = "cluster=slurm"  # that launcher with the cluster's settings: conf/cluster/slurm.yaml
-SLURM_PRESET_NOTE = (
-    f"note: {SLURM_LAUNCHER} is read as {SLURM_PRESET}, which selects that launcher with the cluster's settings "
-    f"(conf/cluster/slurm.yaml: cluster.partition, cluster.gpus_per_node, cluster.nodes, ...)"
-)
+# submitit's launchers named on the command line, and the cluster/ preset that selects each with its settings
+LAUNCHER_PRESETS = {
+    "hydra/launcher=submitit_slurm": "cluster=slurm",
+    "hydra/launcher=submitit_local": "cluster=local_tasks",
+}
+
+
+def preset_note(launcher: str) -> str:
+    preset = LAUNCHER_PRESETS[launcher]
+    return (
+        f"note: {launcher} is read as {preset}, which selects that launcher with the cluster's settings "
+        f"(conf/cluster/{preset.split('=')[1]}.yaml: cluster.nodes, cluster.tasks_per_node, cluster.gpus_per_node, ...)"
+    )
 
 
 def read_launcher(argv: list[str]) -> list[str]:
-    """`hydra/launcher=submitit_slurm` without a `cluster=` choice is read as `cluster=slurm` too: on its own the
-    launcher would submit with submitit's defaults (one task, no GPU, 60 min, no requeue), while the preset selects
-    the same launcher with one ddp rank per GPU and the time limit, requeue and checks of conf/cluster/slurm.yaml.
-    The sweep says so once SLURM has been found (src/run/sweep.py)."""
-    if SLURM_LAUNCHER not in argv or any(_key(arg) == "cluster" for arg in argv):
+    """A submitit launcher named without a `cluster=` choice is read with its preset too (`cluster=slurm`,
+    `cluster=local_tasks`): on its own it would start one task per job with submitit's defaults (no GPU, no requeue)
+    and without the checks of conf/cluster/, and its jobs could not import this code. The sweep says so once the
+    cluster has been found (src/run/sweep.py)."""
+    named = [arg for arg in argv if arg in LAUNCHER_PRESETS]
+    if len(named) != 1 or any(_key(arg) == "cluster" for arg in argv):
         return argv
-    at = argv.index(SLURM_LAUNCHER)
-    return [*argv[:at], SLURM_PRESET, *argv[at:]]
+    at = argv.index(named[0])
+    return [*argv[:at], LAUNCHER_PRESETS[named[0]], *argv[at:]]
 
 
 def _key(arg: str) -> str:
@@ -142,11 +150,12 @@ def problem(argv: list[str]) -> str | None:
                 f"quotes for Hydra, inside quotes for the shell: \"key='a value'\""
             )
     cluster = next((arg for arg in overrides if _key(arg) == "cluster"), None)
-    if SLURM_LAUNCHER in overrides and cluster and not _launcher_of(cluster).endswith("SlurmLauncher"):
-        return (
-            f"{cluster} runs on this machine and {SLURM_LAUNCHER} submits to SLURM; to submit, drop {cluster} "
-            f"(then {SLURM_LAUNCHER} is read as {SLURM_PRESET}) or replace both with {SLURM_PRESET}"
-        )
+    for launcher, preset in LAUNCHER_PRESETS.items():
+        if launcher in overrides and cluster and _launcher_of(cluster) != _launcher_of(preset):
+            return (
+                f"{cluster} and {launcher} pick two launchers; drop {cluster} (then {launcher} is read as "
+                f"{preset}) or {launcher}"
+            )
     swept = [arg for arg, o in zip(overrides, parsed) if o.is_sweep_override()]
     if swept and "--multirun" not in modes and not _chooses_multirun([a for a in overrides if a not in swept]):
         return f"{swept[0]} lists several values: add -m to sweep them (python train.py -m ...), or give it one value"

@@ -23,7 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from src.config.cli import SLURM_LAUNCHER, SLURM_PRESET, SLURM_PRESET_NOTE
+from src.config.cli import LAUNCHER_PRESETS, preset_note
 from src.config.commands import module_command
 from src.config.errors import ConfigError
 
@@ -121,8 +121,9 @@ class SweepReport(Callback):
 
         refuse_unreachable_slurm(config)  # before any folder is made
         refuse_bad_points(config)
-        if SLURM_LAUNCHER in config.hydra.overrides.hydra and SLURM_PRESET in config.hydra.overrides.task:
-            print(SLURM_PRESET_NOTE, file=sys.stderr)  # the command line named the launcher (src/config/cli.py)
+        for launcher, preset in LAUNCHER_PRESETS.items():  # the command line named the launcher (src/config/cli.py)
+            if launcher in config.hydra.overrides.hydra and preset in config.hydra.overrides.task:
+                print(preset_note(launcher), file=sys.stderr)
         self.made = not Path(config.hydra.sweep.dir).exists()  # only a folder this sweep made may be removed
         _make(Path(config.hydra.sweep.dir), "hydra.sweep.dir", undo=True)
         self.started = time.time() - 1  # error files written since then are this sweep's

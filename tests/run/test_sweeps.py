@@ -229,13 +229,14 @@ def test_slurm_sweeps_on_a_machine_without_slurm_are_one_line_naming_local_tasks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # no sweep folder
 
 
-def test_the_slurm_launcher_named_alone_is_read_as_the_slurm_preset(tmp_path):
+def test_a_submitit_launcher_named_alone_is_read_with_its_cluster_preset(tmp_path):
     """`hydra/launcher=submitit_slurm` alone would submit with submitit's defaults: one task, no GPU, 60 minutes, no
     requeue. It is read as cluster=slurm, which selects the same launcher with the cluster's settings."""
     from src.config.cli import read_launcher
 
     argv = read_launcher(["-m", "seed=1,2", "hydra/launcher=submitit_slurm", "cluster.gpus_per_node=4"])
     assert argv == ["-m", "seed=1,2", "cluster=slurm", "hydra/launcher=submitit_slurm", "cluster.gpus_per_node=4"]
+    assert read_launcher(["hydra/launcher=submitit_local"]) == ["cluster=local_tasks", "hydra/launcher=submitit_local"]
     for given in (["hydra/launcher=submitit_slurm", "cluster=slurm_2nodes"], ["seed=1"]):  # a cluster= choice rules
         assert read_launcher(given) == given
     proc = run_cli("hydra/launcher=submitit_slurm", "--cfg", "all", "--resolve", cwd=tmp_path)  # as a user's is
@@ -245,14 +246,35 @@ def test_the_slurm_launcher_named_alone_is_read_as_the_slurm_preset(tmp_path):
     assert launcher["gpus_per_node"] == 8 and launcher["timeout_min"] == 240 and launcher["max_num_timeout"] == 3
 
 
-@pytest.mark.parametrize("cluster", ["cluster=local", "cluster=local_tasks"])
-def test_the_slurm_launcher_with_a_local_cluster_is_one_line(tmp_path, cluster):
-    proc = run_cli("-m", "seed=1,2", "hydra/launcher=submitit_slurm", cluster, "debug=fast", cwd=tmp_path)
+def test_the_local_submitit_launcher_named_alone_runs_the_local_tasks_sweep(tmp_path):
+    """Alone, its jobs could not import ddplab ('No module named src' and 40 lines of traceback)."""
+    proc = run_cli("-m", "hydra/launcher=submitit_local", "debug=fast", "seed=1,2", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "note: hydra/launcher=submitit_local is read as cluster=local_tasks" in proc.stderr
+    [sweep] = list((tmp_path / "multirun").glob("*/*"))
+    metrics = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]
+    assert [(m["status"], m["hparams"]["seed"], m["hparams"]["world_size"]) for m in metrics] == [
+        ("completed", 1, 2),
+        ("completed", 2, 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "cluster"),
+    [
+        ("submitit_slurm", "cluster=local"),
+        ("submitit_slurm", "cluster=local_tasks"),
+        ("submitit_local", "cluster=local"),
+    ],
+)
+def test_a_submitit_launcher_with_a_cluster_of_another_launcher_is_one_line(tmp_path, launcher, cluster):
+    proc = run_cli("-m", "seed=1,2", f"hydra/launcher={launcher}", cluster, "debug=fast", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    preset = "cluster=slurm" if launcher == "submitit_slurm" else "cluster=local_tasks"
     assert line == (
-        f"error: {cluster} runs on this machine and hydra/launcher=submitit_slurm submits to SLURM; to submit, drop "
-        f"{cluster} (then hydra/launcher=submitit_slurm is read as cluster=slurm) or replace both with cluster=slurm"
+        f"error: {cluster} and hydra/launcher={launcher} pick two launchers; drop {cluster} (then "
+        f"hydra/launcher={launcher} is read as {preset}) or hydra/launcher={launcher}"
     )
     assert list(tmp_path.iterdir()) == []  # nothing made, nothing submitted
 
