@@ -1,12 +1,16 @@
 """Commands the project prints for users to paste: every argument quoted for the shell and, where it is a Hydra
 override, for Hydra's override grammar, so that a path with spaces, quotes, `;`, `$()`, `=`, `,` or non-ASCII
-letters reads back as itself and runs nothing."""
+letters reads back as itself and runs nothing. They run from the folder they were printed in, the repository's
+or a user's own."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py and the src package
 _PLAIN = re.compile(r"[A-Za-z0-9_./:+-]+")  # read by Hydra as an unquoted string as it is
 _SPECIAL = re.compile(r"(\\*)('|\$\{|$)")
 
@@ -28,10 +32,23 @@ def override(key: str, value) -> str:
 
 
 def train_command(*overrides: tuple[str, object]) -> str:
-    """`python train.py key=value ...`, paste-safe."""
-    return " ".join(["python", "train.py", *(override(k, v) for k, v in overrides)])
+    """`python train.py key=value ...`, paste-safe; from another folder, train.py by its path."""
+    script = "train.py" if _in_root() else shlex.quote(str(ROOT / "train.py"))
+    return " ".join(["python", script, *(override(k, v) for k, v in overrides)])
 
 
 def module_command(module: str, *args) -> str:
-    """`python -m <module> args...`, each argument one shell word."""
-    return " ".join(["python", "-m", module, *(shlex.quote(str(a)) for a in args)])
+    """`python -m <module> args...`, each argument one shell word. From another folder, `python -m src...` would
+    not find this package (or find a `src` of that folder's): the command runs in a subshell that moves to the
+    repository, the user's shell staying where it is, with each Path argument made absolute."""
+    if _in_root():
+        return " ".join(["python", "-m", module, *(shlex.quote(str(a)) for a in args)])
+    words = [shlex.quote(os.path.abspath(a) if isinstance(a, Path) else str(a)) for a in args]
+    return f"(cd {shlex.quote(str(ROOT))} && {' '.join(['python', '-m', module, *words])})"
+
+
+def _in_root() -> bool:
+    try:
+        return Path.cwd().resolve() == ROOT
+    except OSError:  # this process's folder was removed
+        return False

@@ -178,7 +178,7 @@ def _suggest_packing(root: Path, train: list[str], crop: int, sample: int = 16) 
     side = sorted(sides)[len(sides) // 2] if sides else 0  # the median
     if side <= 1.25 * PACK_SIDE:
         return
-    packed = f"{root}-shards{PACK_SIDE}"
+    packed = Path(f"{root}-shards{PACK_SIDE}")
     log.info(
         "%s holds images of ~%d px on the shorter side, decoded every epoch; packed to %d px they decode ~2.8x "
         "faster: %s, then %s",
