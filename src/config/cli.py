@@ -65,16 +65,22 @@ def _key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~") if not arg.startswith("-") else ""
 
 
-def _launcher_of(cluster_choice: str) -> str:
-    """The Hydra launcher a `cluster=` choice composes (its _target_), '' where it does not compose."""
+def _composed(overrides: list[str], with_hydra: bool = True):
+    """conf/train.yaml composed with `overrides` (and Hydra's own node), or None where it does not compose: what is
+    wrong is then for the other checks, or Hydra, to say."""
     from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=[cluster_choice], return_hydra_config=True)
-    except Exception:  # an unknown option: the checks below say so
-        return ""
-    return str(cfg.hydra.launcher.get("_target_", ""))
+            return compose("train", overrides=overrides, return_hydra_config=with_hydra)
+    except Exception:
+        return None
+
+
+def _launcher_of(cluster_choice: str) -> str:
+    """The Hydra launcher a `cluster=` choice composes (its _target_), '' where it does not compose."""
+    cfg = _composed([cluster_choice])
+    return "" if cfg is None else str(cfg.hydra.launcher.get("_target_", ""))
 
 
 def _suggest(word: str, options) -> str:
@@ -110,14 +116,8 @@ def _chooses_multirun(one_each: list[str]) -> bool:
     """Whether the command line's overrides of one value each set `hydra.mode: MULTIRUN`, themselves or by a group
     option (cluster=slurm, an Optuna search), which sweeps without -m. Unknown (they do not compose): left to Hydra,
     as if they did."""
-    from hydra import compose, initialize_config_dir
-
-    try:
-        with initialize_config_dir(str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=one_each, return_hydra_config=True)
-    except Exception:  # the checks below or Hydra say what is wrong
-        return True
-    return str(cfg.hydra.mode).endswith("MULTIRUN")
+    cfg = _composed(one_each)
+    return cfg is None or str(cfg.hydra.mode).endswith("MULTIRUN")
 
 
 def problem(argv: list[str]) -> str | None:
@@ -151,7 +151,7 @@ def problem(argv: list[str]) -> str | None:
             )
     cluster = next((arg for arg in overrides if _key(arg) == "cluster"), None)
     for launcher, preset in LAUNCHER_PRESETS.items():
-        if launcher in overrides and cluster and _launcher_of(cluster) != _launcher_of(preset):
+        if cluster and launcher in overrides and _launcher_of(cluster) != _launcher_of(preset):
             return (
                 f"{cluster} and {launcher} pick two launchers; drop {cluster} (then {launcher} is read as "
                 f"{preset}) or {launcher}"
@@ -193,7 +193,6 @@ def _declared_by_target(section, prefix: str) -> list[str]:
 
 def _unknown_key(parsed, groups) -> str | None:
     """A `key=value` (not `+key=`) whose key is not in the config its group choices compose."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     keys = [
@@ -210,10 +209,8 @@ def _unknown_key(parsed, groups) -> str | None:
         if "." not in o.key_or_group and o.key_or_group in groups and not o.is_delete():
             value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
             choices.append(f"{'+' if o.is_add() else ''}{o.key_or_group}={value}")
-    try:
-        with initialize_config_dir(str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=choices)
-    except Exception:  # anything else is Hydra's to say
+    cfg = _composed(choices, with_hydra=False)
+    if cfg is None:  # anything else is Hydra's to say
         return None
     for o in keys:
         parent_key, _, leaf = o.key_or_group.rpartition(".")

@@ -41,10 +41,10 @@ def module_command(module: str, *args) -> str:
     """`python -m <module> args...`, each argument one shell word. From another folder, `python -m src...` would
     not find this package (or find a `src` of that folder's): the command runs in a subshell that moves to the
     repository, the user's shell staying where it is, with each Path argument made absolute."""
-    if _in_root():
-        return " ".join(["python", "-m", module, *(shlex.quote(str(a)) for a in args)])
-    words = [shlex.quote(os.path.abspath(a) if isinstance(a, Path) else str(a)) for a in args]
-    return f"(cd {shlex.quote(str(ROOT))} && {' '.join(['python', '-m', module, *words])})"
+    here = _in_root()
+    words = [shlex.quote(str(a) if here or not isinstance(a, Path) else os.path.abspath(a)) for a in args]
+    command = " ".join(["python", "-m", module, *words])
+    return command if here else f"(cd {shlex.quote(str(ROOT))} && {command})"
 
 
 def _in_root() -> bool:
