@@ -149,6 +149,9 @@ def problem(argv: list[str]) -> str | None:
                 f"cannot read the override {arg!r} ({said}); put a value with spaces or special characters in "
                 f"quotes for Hydra, inside quotes for the shell: \"key='a value'\""
             )
+    launchers = [arg for arg in overrides if _key(arg) == "hydra/launcher"]
+    if len(launchers) > 1:  # Hydra would take the last one silently
+        return f"{' and '.join(launchers)} pick {len(launchers)} launchers; keep one"
     cluster = next((arg for arg in overrides if _key(arg) == "cluster"), None)
     for launcher, preset in LAUNCHER_PRESETS.items():
         if cluster and launcher in overrides and _launcher_of(cluster) != _launcher_of(preset):

@@ -279,6 +279,15 @@ def test_a_submitit_launcher_with_a_cluster_of_another_launcher_is_one_line(tmp_
     assert list(tmp_path.iterdir()) == []  # nothing made, nothing submitted
 
 
+def test_two_launchers_on_one_command_line_are_one_line(tmp_path):
+    """Hydra took the last one silently; here, alone and unread, its jobs could not import ddplab (a traceback)."""
+    proc = run_cli("-m", "hydra/launcher=submitit_slurm", "hydra/launcher=submitit_local", "debug=fast", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line == "error: hydra/launcher=submitit_slurm and hydra/launcher=submitit_local pick 2 launchers; keep one"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (make slurm-install)")
 def test_a_slurm_client_without_a_controller_is_one_line(tmp_path):
     conf = tmp_path / "slurm.conf"  # the real client, pointed at a controller that is not running
